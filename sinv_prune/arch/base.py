@@ -1,0 +1,160 @@
+"""The contract every attention-layout adapter fulfils.
+
+An adapter knows, for one model family, where each layer's Q, K, V and O weights
+live, how to read them per head and how to slice them. Everything else
+(validation, bookkeeping, checkpoints, measures, criteria) is written once
+against this interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Current head geometry of one attention layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads served by each KV head (1 without GQA, 0 for an empty layer)."""
+        return self.num_heads // self.num_kv_heads if self.num_kv_heads else 0
+
+
+@dataclass
+class Projections:
+    """One layer's attention weights in ``nn.Linear`` orientation (``[out, in]``).
+
+    ``q``: ``[H*d, D]``, ``k`` and ``v``: ``[KV*d, D]``, ``o``: ``[D, H*d]``.
+    These are views of the live parameters (transposed for ``Conv1D``).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+def head_rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Row indices of the given heads in a ``[heads*head_dim, ...]`` projection."""
+    offsets = torch.arange(head_dim, device=heads.device)
+    return (heads[:, None] * head_dim + offsets).reshape(-1)
+
+
+def select_out(module: nn.Module, index: torch.Tensor) -> None:
+    """Keep only the output features ``index`` of a Linear or Conv1D, in place."""
+    dim = 1 if isinstance(module, Conv1D) else 0
+    _replace(module, "weight", module.weight.detach().index_select(dim, index))
+    if getattr(module, "bias", None) is not None:
+        _replace(module, "bias", module.bias.detach().index_select(0, index))
+    if isinstance(module, Conv1D):
+        module.nf = index.numel()
+    else:
+        module.out_features = index.numel()
+
+
+def select_in(module: nn.Module, index: torch.Tensor) -> None:
+    """Keep only the input features ``index`` of a Linear or Conv1D, in place."""
+    dim = 0 if isinstance(module, Conv1D) else 1
+    _replace(module, "weight", module.weight.detach().index_select(dim, index))
+    if isinstance(module, Conv1D):
+        module.nx = index.numel()
+    else:
+        module.in_features = index.numel()
+
+
+def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=old.requires_grad))
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """A Linear or Conv1D weight as ``[out, in]``."""
+    return module.weight.t() if isinstance(module, Conv1D) else module.weight
+
+
+class HeadAdapter:
+    """Base class of the architecture adapters; one subclass per attention layout.
+
+    Subclasses set ``model_types`` (the ``config.model_type`` values they serve)
+    and implement the abstract methods below. Register them with
+    :func:`sinv_prune.arch.register_adapter`.
+    """
+
+    name: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    #: Config attributes holding the original head counts (query, key/value or None).
+    config_heads_key: ClassVar[str] = "num_attention_heads"
+    config_kv_heads_key: ClassVar[str | None] = None
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.base = model.base_model
+
+    # -- per architecture -------------------------------------------------
+    def layers(self) -> list[nn.Module]:
+        """The transformer blocks, in order."""
+        raise NotImplementedError
+
+    def attention(self, layer: int) -> nn.Module:
+        """The module whose forward computes the heads of ``layer``."""
+        raise NotImplementedError
+
+    def out_proj(self, layer: int) -> nn.Module:
+        """The output projection; its input is the concatenation of the heads."""
+        raise NotImplementedError
+
+    def layout(self, layer: int) -> HeadLayout:
+        raise NotImplementedError
+
+    def projections(self, layer: int) -> Projections:
+        raise NotImplementedError
+
+    def mlp(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The MLP's linear path, ``[out, in]`` weights applied in order (input side first).
+
+        Gated MLPs return ``(W_up, W_down)``: the gate multiplies, it is not on the linear path.
+        """
+        raise NotImplementedError
+
+    def slice_heads(self, layer: int, keep_q: torch.Tensor, keep_kv: torch.Tensor) -> None:
+        """Physically keep only query heads ``keep_q`` and KV heads ``keep_kv``."""
+        raise NotImplementedError
+
+    def empty_forward(self, layer: int):
+        """A forward for an attention module whose every head was removed."""
+        raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers())
+
+    def original_head_counts(self, config) -> tuple[int, int]:
+        heads = getattr(config, self.config_heads_key)
+        kv = getattr(config, self.config_kv_heads_key, None) if self.config_kv_heads_key else None
+        return heads, kv or heads
+
+
+def empty_cache_update(cache, layer_idx: int, hidden_states: torch.Tensor, head_dim: int, kwargs: dict) -> None:
+    """Advance a KV cache by zero-head keys/values so sequence lengths stay right."""
+    if cache is None:
+        return
+    if hasattr(cache, "self_attention_cache"):
+        cache = cache.self_attention_cache
+    batch, seq = hidden_states.shape[:2]
+    empty = hidden_states.new_zeros(batch, 0, seq, head_dim)
+    cache.update(empty, empty, layer_idx, kwargs=kwargs)

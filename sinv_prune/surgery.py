@@ -1,0 +1,167 @@
+"""Physical removal of attention heads through the architecture adapters."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sinv_prune.arch import HeadAdapter, get_adapter
+from sinv_prune.record import PruningRecord, get_record, set_record
+
+
+@dataclass
+class LayerChange:
+    """What happened to one layer: indices in the numbering before this call and the original one."""
+
+    layer: int
+    removed: list[int]
+    removed_original: list[int]
+    kept: int
+    kept_kv: int
+
+
+@dataclass
+class PruneSummary:
+    """Returned by :func:`prune_heads`: per-layer changes and parameter counts."""
+
+    layers: list[LayerChange]
+    params_before: int
+    params_after: int
+
+    @property
+    def heads_removed(self) -> int:
+        return sum(len(c.removed) for c in self.layers)
+
+    def to_dict(self) -> dict:
+        return {
+            "params_before": self.params_before,
+            "params_after": self.params_after,
+            "heads_removed": self.heads_removed,
+            "layers": [vars(c) for c in self.layers],
+        }
+
+    def __str__(self) -> str:
+        lines = [f"{'layer':>5} {'removed':>7} {'kept':>4} {'kv':>3}  removed (original numbering)"]
+        for c in self.layers:
+            lines.append(f"{c.layer:>5} {len(c.removed):>7} {c.kept:>4} {c.kept_kv:>3}  {c.removed_original}")
+        ratio = self.params_after / self.params_before
+        lines.append(f"parameters: {self.params_before:,} -> {self.params_after:,} ({ratio:.2%})")
+        return "\n".join(lines)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def prune_heads(
+    model: nn.Module, heads: Mapping[int, Iterable[int]], *, allow_empty_layers: bool = False
+) -> PruneSummary:
+    """Remove attention heads from ``model`` in place.
+
+    ``heads`` maps a layer index to the query heads to remove, numbered as the layer
+    has them now. Under grouped-query attention every KV group that keeps heads must
+    keep the same number, and a KV head goes when all of its query heads go.
+    ``allow_empty_layers=True`` permits removing every head of a layer; the attention
+    block then contributes only its output bias. Invalid requests raise
+    ``ValueError`` before anything changes. The config records the removed heads in
+    the original numbering, so ``save_pretrained`` writes a checkpoint that reloads.
+    """
+    from sinv_prune.checkpoint import finalize_checkpoint_format
+
+    adapter = get_adapter(model)
+    plan = plan_removal(adapter, heads, allow_empty_layers=allow_empty_layers)
+    record = get_record(model.config) or _fresh_record(model, adapter)
+    before = count_parameters(model)
+    changes = []
+    for layer, (removed, keep_q, keep_kv) in plan.items():
+        kept_original = record.kept_heads(layer)
+        removed_original = [kept_original[h] for h in removed]
+        record.pruned_heads[layer] = sorted(set(record.pruned_heads.get(layer, [])) | set(removed_original))
+        apply_layer(adapter, layer, keep_q, keep_kv)
+        changes.append(LayerChange(layer, removed, removed_original, len(keep_q), len(keep_kv)))
+    set_record(model.config, record)
+    finalize_checkpoint_format(model, adapter, record)
+    return PruneSummary(changes, before, count_parameters(model))
+
+
+def plan_removal(
+    adapter: HeadAdapter, heads: Mapping[int, Iterable[int]], *, allow_empty_layers: bool = False
+) -> dict[int, tuple[list[int], list[int], list[int]]]:
+    """Validate a request; per layer: (removed, kept query heads, kept KV heads), current numbering."""
+    if not isinstance(heads, Mapping):
+        raise ValueError(f"heads must map layer index -> head indices, got {type(heads).__name__}")
+    num_layers = adapter.num_layers
+    plan = {}
+    for raw_layer, raw_heads in sorted(heads.items(), key=lambda kv: _index(kv[0], "layer")):
+        layer = _index(raw_layer, "layer")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"unknown layer {layer}: the model has layers 0..{num_layers - 1}")
+        layout = adapter.layout(layer)
+        removed = [_index(h, f"head in layer {layer}") for h in raw_heads]
+        if len(set(removed)) != len(removed):
+            dupes = sorted({h for h in removed if removed.count(h) > 1})
+            raise ValueError(f"layer {layer}: duplicate head indices {dupes}")
+        bad = [h for h in removed if not 0 <= h < layout.num_heads]
+        if bad:
+            raise ValueError(f"layer {layer}: head indices {bad} out of range 0..{layout.num_heads - 1}")
+        if not removed:
+            continue
+        keep_q = [h for h in range(layout.num_heads) if h not in set(removed)]
+        if not keep_q and not allow_empty_layers:
+            raise ValueError(
+                f"layer {layer}: removing all {layout.num_heads} heads needs allow_empty_layers=True"
+            )
+        group = layout.group_size
+        sizes = {kv: sum(1 for h in keep_q if h // group == kv) for kv in range(layout.num_kv_heads)}
+        if len({s for s in sizes.values() if s}) > 1:
+            raise ValueError(
+                f"layer {layer}: GQA query groups would become unequal "
+                f"(heads kept per KV head: {list(sizes.values())})"
+            )
+        plan[layer] = (sorted(removed), keep_q, [kv for kv, s in sizes.items() if s])
+    return plan
+
+
+def apply_layer(adapter: HeadAdapter, layer: int, keep_q: list[int], keep_kv: list[int]) -> None:
+    """Slice one layer to the given heads; an empty layer gets a forward that needs no heads."""
+    device = adapter.out_proj(layer).weight.device
+    adapter.slice_heads(
+        layer,
+        torch.tensor(keep_q, dtype=torch.long, device=device),
+        torch.tensor(keep_kv, dtype=torch.long, device=device),
+    )
+    if not keep_q:
+        adapter.attention(layer).forward = adapter.empty_forward(layer)
+
+
+def _index(value, what: str) -> int:
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ValueError(f"{what} index must be an integer, got {value!r}")
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} index must be an integer, got {value!r}") from None
+
+
+def _fresh_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
+    layouts = {adapter.layout(i) for i in range(adapter.num_layers)}
+    if len(layouts) != 1:
+        raise ValueError("model has different head counts per layer but no sinv_prune record in its config")
+    (layout,) = layouts
+    base = type(model)
+    while getattr(base, "_sinv_base", None) is not None:
+        base = base._sinv_base
+    return PruningRecord(
+        base_class=base.__name__,
+        num_layers=adapter.num_layers,
+        num_heads=layout.num_heads,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+    )
