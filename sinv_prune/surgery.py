@@ -113,15 +113,12 @@ def plan_removal(
             continue
         keep_q = [h for h in range(layout.num_heads) if h not in set(removed)]
         if not keep_q and not allow_empty_layers:
-            raise ValueError(
-                f"layer {layer}: removing all {layout.num_heads} heads needs allow_empty_layers=True"
-            )
+            raise ValueError(f"layer {layer}: removing all {layout.num_heads} heads needs allow_empty_layers=True")
         group = layout.group_size
         sizes = {kv: sum(1 for h in keep_q if h // group == kv) for kv in range(layout.num_kv_heads)}
         if len({s for s in sizes.values() if s}) > 1:
             raise ValueError(
-                f"layer {layer}: GQA query groups would become unequal "
-                f"(heads kept per KV head: {list(sizes.values())})"
+                f"layer {layer}: GQA query groups would become unequal (heads kept per KV head: {list(sizes.values())})"
             )
         plan[layer] = (sorted(removed), keep_q, [kv for kv, s in sizes.items() if s])
     return plan
@@ -140,7 +137,7 @@ def apply_layer(adapter: HeadAdapter, layer: int, keep_q: list[int], keep_kv: li
 
 
 def _index(value, what: str) -> int:
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, (bool, float)):
         raise ValueError(f"{what} index must be an integer, got {value!r}")
     if isinstance(value, str) and value.lstrip("-").isdigit():
         return int(value)

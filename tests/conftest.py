@@ -34,7 +34,9 @@ ARCHS = sorted(TINY_CONFIGS)
 CAUSAL = ("gpt2", "llama", "qwen2", "mistral")
 
 
-def tiny_model(arch: str, seed: int = 0, attn_implementation: str = "eager", **overrides) -> transformers.PreTrainedModel:
+def tiny_model(
+    arch: str, seed: int = 0, attn_implementation: str = "eager", **overrides
+) -> transformers.PreTrainedModel:
     """A tiny randomly initialised model of ``arch`` in eval mode, float32, on the CPU."""
     config_cls, model_cls, kwargs = TINY_CONFIGS[arch]
     config = config_cls(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, **{**kwargs, **overrides})

@@ -7,7 +7,15 @@ Serves BERT, RoBERTa and the encoders that share their modules, bare or inside
 from __future__ import annotations
 
 from sinv_prune.arch import register_adapter
-from sinv_prune.arch.base import HeadAdapter, HeadLayout, Projections, empty_cache_update, head_rows, select_in, select_out
+from sinv_prune.arch.base import (
+    HeadAdapter,
+    HeadLayout,
+    Projections,
+    empty_cache_update,
+    head_rows,
+    select_in,
+    select_out,
+)
 
 
 @register_adapter

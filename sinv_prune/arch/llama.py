@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from sinv_prune.arch import register_adapter
-from sinv_prune.arch.base import HeadAdapter, HeadLayout, Projections, empty_cache_update, head_rows, select_in, select_out
+from sinv_prune.arch.base import (
+    HeadAdapter,
+    HeadLayout,
+    Projections,
+    empty_cache_update,
+    head_rows,
+    select_in,
+    select_out,
+)
 
 
 @register_adapter
