@@ -22,7 +22,8 @@ def head_gates(model: nn.Module, *, requires_grad: bool = True) -> Iterator[list
     """Within the block, head ``h`` of layer ``l`` is scaled by ``gates[l][h]`` (initially 1).
 
     The gates are float32 leaf tensors on each layer's device; with
-    ``requires_grad=True`` a backward pass fills ``gates[l].grad``.
+    ``requires_grad=True`` a backward pass fills ``gates[l].grad`` (a layer left with no
+    heads has an empty gate whose ``grad`` may stay ``None``).
 
     >>> with head_gates(model) as gates:
     ...     model(**batch).loss.backward()

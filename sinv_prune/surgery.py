@@ -75,6 +75,9 @@ def prune_heads(
 
     adapter = get_adapter(model)
     plan = plan_removal(adapter, heads, allow_empty_layers=allow_empty_layers)
+    if not plan:  # nothing to remove: leave class and config as they are
+        params = count_parameters(model)
+        return PruneSummary([], params, params)
     record = get_record(model.config) or _fresh_record(model, adapter)
     before = count_parameters(model)
     changes = []
@@ -96,13 +99,16 @@ def plan_removal(
     if not isinstance(heads, Mapping):
         raise ValueError(f"heads must map layer index -> head indices, got {type(heads).__name__}")
     num_layers = adapter.num_layers
-    plan = {}
+    plan, seen = {}, {}
     for raw_layer, raw_heads in sorted(heads.items(), key=lambda kv: _index(kv[0], "layer")):
         layer = _index(raw_layer, "layer")
         if not 0 <= layer < num_layers:
             raise ValueError(f"unknown layer {layer}: the model has layers 0..{num_layers - 1}")
+        if layer in seen:
+            raise ValueError(f"layer {layer} is named more than once (keys {raw_layer!r} and {seen[layer]!r})")
+        seen[layer] = raw_layer
         layout = adapter.layout(layer)
-        removed = [_index(h, f"head in layer {layer}") for h in raw_heads]
+        removed = [_index(h, f"head in layer {layer}") for h in _head_list(raw_heads, layer)]
         if len(set(removed)) != len(removed):
             dupes = sorted({h for h in removed if removed.count(h) > 1})
             raise ValueError(f"layer {layer}: duplicate head indices {dupes}")
@@ -134,6 +140,16 @@ def apply_layer(adapter: HeadAdapter, layer: int, keep_q: list[int], keep_kv: li
     )
     if not keep_q:
         adapter.attention(layer).forward = adapter.empty_forward(layer)
+
+
+def _head_list(value, layer: int) -> list:
+    """A layer's requested heads as a list; a bare index or a string is refused, not iterated."""
+    if not isinstance(value, (str, bytes)):
+        try:
+            return list(value)
+        except TypeError:
+            pass
+    raise ValueError(f"layer {layer}: heads must be a collection of head indices, got {value!r}")
 
 
 def _index(value, what: str) -> int:

@@ -156,5 +156,8 @@ def empty_cache_update(cache, layer_idx: int, hidden_states: torch.Tensor, head_
     if hasattr(cache, "self_attention_cache"):
         cache = cache.self_attention_cache
     batch, seq = hidden_states.shape[:2]
-    empty = hidden_states.new_zeros(batch, 0, seq, head_dim)
+    # One all-zero placeholder head, never read: a cache layer holding zero elements reports a
+    # sequence length of 0 (DynamicLayer.get_seq_length), which breaks positions and masks when
+    # the empty layer is layer 0, the one generate() asks for the cached length.
+    empty = hidden_states.new_zeros(batch, 1, seq, head_dim)
     cache.update(empty, empty, layer_idx, kwargs=kwargs)
