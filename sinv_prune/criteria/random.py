@@ -1,0 +1,30 @@
+"""Random scores: the baseline every criterion has to beat (the paper's "random pruning")."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sinv_prune.criteria import register_criterion
+from sinv_prune.criteria.base import Criterion, Scores, head_counts, to_scores
+
+
+@register_criterion("random")
+class RandomCriterion(Criterion):
+    """Uniform random scores in [0, 1), reproducible from ``seed``.
+
+    The same seed and head counts give the same scores on every machine (a CPU
+    ``torch.Generator``, drawn layer by layer).
+
+    .. code-block:: yaml
+
+        criterion: random
+        options: {seed: 0}
+    """
+
+    def __init__(self, seed: int = 0):
+        self.seed = int(seed)
+
+    def scores(self, model: nn.Module) -> Scores:
+        generator = torch.Generator().manual_seed(self.seed)
+        return to_scores(torch.rand(n, generator=generator, dtype=torch.float64) for n in head_counts(model))
