@@ -2,18 +2,43 @@
 
 from sinv_prune.arch import get_adapter, register_adapter, supported_model_types
 from sinv_prune.checkpoint import from_pretrained
+from sinv_prune.criteria import Criterion, available_criteria, get_criterion, register_criterion
+from sinv_prune.diagnostics import plot_trace, summarize_trace, time_to_threshold
 from sinv_prune.gates import head_gates
+from sinv_prune.measures import head_measures
+from sinv_prune.pruner import HeadPruner
+from sinv_prune.selection import select_heads
 from sinv_prune.surgery import PruneSummary, count_parameters, prune_heads
+from sinv_prune.symmetry import ECD, add_symmetry_breaking, build_optimizer, restore_symmetry_breaking
+from sinv_prune.tracking import ConvergenceCallback, HeadFreezer, stop_rule, track
 from sinv_prune.version import __version__
 
 __all__ = [
-    "PruneSummary",
     "__version__",
+    "add_symmetry_breaking",
+    "available_criteria",
+    "build_optimizer",
+    "ConvergenceCallback",
     "count_parameters",
+    "Criterion",
+    "ECD",
     "from_pretrained",
     "get_adapter",
+    "get_criterion",
     "head_gates",
+    "head_measures",
+    "HeadFreezer",
+    "HeadPruner",
+    "plot_trace",
     "prune_heads",
+    "PruneSummary",
     "register_adapter",
+    "register_criterion",
+    "restore_symmetry_breaking",
+    "select_heads",
+    "stop_rule",
+    "summarize_trace",
     "supported_model_types",
+    "time_to_threshold",
+    "track",
 ]
