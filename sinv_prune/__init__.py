@@ -5,6 +5,7 @@ from sinv_prune.checkpoint import from_pretrained
 from sinv_prune.criteria import Criterion, available_criteria, get_criterion, register_criterion
 from sinv_prune.diagnostics import plot_trace, summarize_trace, time_to_threshold
 from sinv_prune.gates import head_gates
+from sinv_prune.hub import push_pruned
 from sinv_prune.measures import head_measures
 from sinv_prune.pruner import HeadPruner
 from sinv_prune.selection import select_heads
@@ -31,6 +32,7 @@ __all__ = [
     "HeadPruner",
     "plot_trace",
     "prune_heads",
+    "push_pruned",
     "PruneSummary",
     "register_adapter",
     "register_criterion",

@@ -26,6 +26,7 @@ from transformers.models.auto import modeling_auto
 
 from sinv_prune.arch import HeadAdapter, get_adapter
 from sinv_prune.record import PruningRecord, get_record
+from sinv_prune.symmetry import restore_symmetry_breaking
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,9 @@ def _auto_map(model_type: str, class_name: str) -> dict[str, str]:
     return out
 
 
-def from_pretrained(path_or_repo_id: str | os.PathLike, *, model_class: type | None = None, **kwargs) -> nn.Module:
+def from_pretrained(
+    path_or_repo_id: str | os.PathLike, *, model_cls: type | None = None, **kwargs
+) -> nn.Module:
     """Load a pruned (or plain) checkpoint into the right class, with no remote code needed.
 
     ``gguf_file=`` loads a GGUF checkpoint as an ordinary float model that trains and
@@ -172,16 +175,18 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, model_class: type | N
     config_kwargs = {k: kwargs[k] for k in ("gguf_file", "revision", "token", "cache_dir", "subfolder") if k in kwargs}
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path, **config_kwargs)
     record = get_record(config)
-    cls = model_class or _class_for(config, record, gguf=bool(kwargs.get("gguf_file")))
+    cls = model_cls or model_class(config, record, gguf=bool(kwargs.get("gguf_file")))
     if record is not None and not record.stock_layout:
         cls = pruned_class(cls)
     model = cls.from_pretrained(path, config=config, **kwargs)
     if kwargs.get("gguf_file"):
         _drop_gguf_quantizer(model)
+    restore_symmetry_breaking(model)  # eval after reload matches training-time biases
     return model
 
 
-def _class_for(config, record: PruningRecord | None, gguf: bool) -> type:
+def model_class(config, record: PruningRecord | None, gguf: bool = False) -> type:
+    """The stock transformers class a checkpoint's config names (Auto class as a fallback)."""
     names = [record.base_class] if record else []
     names += [a[len(PREFIX) :] if a.startswith(PREFIX) else a for a in (config.architectures or [])]
     for name in names:

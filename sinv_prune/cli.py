@@ -42,10 +42,109 @@ def parse_heads(text: str) -> dict[int, list[int]]:
         raise UsageError(f"--heads: cannot parse {text!r}; use '0:1,3;5:0' or JSON {{\"0\": [1, 3]}}") from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class RecipeGroup(click.Group):
+    """``sinv-prune RECIPE ...`` is short for ``sinv-prune run RECIPE ...``."""
+
+    def resolve_command(self, ctx, args):
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["run", *args]
+        return super().resolve_command(ctx, args)
+
+
+@click.group(cls=RecipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="sinv-prune")
 def main() -> None:
-    """Find and physically remove attention heads from transformers models."""
+    """Find and physically remove attention heads from transformers models.
+
+    \b
+    sinv-prune RECIPE.yaml --output DIR    run a recipe (train, score, prune, fine-tune, evaluate, report)
+    sinv-prune quickstart                  the built-in offline quickstart recipe
+    sinv-prune prune MODEL OUT --heads ..  remove given heads and save
+    """
+
+
+@main.command()
+@click.argument("recipe", default="quickstart")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Run directory (default: runs/NAME).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a recipe value.")
+@click.option("--dry-run", is_flag=True, help="Validate and print the plan; run nothing.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing run directory.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished stage.")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when present).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or console log; the summary still prints.")
+def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet):
+    """Run RECIPE (a YAML file or a built-in name) into a run directory."""
+    from sinv_prune.recipe import RecipeError, load_recipe
+
+    try:
+        parsed = load_recipe(recipe, list(overrides))
+    except RecipeError as err:
+        raise UsageError(str(err)) from None
+    output = output or Path("runs") / parsed.name
+    if dry_run:
+        _dry_run(parsed, output)
+        return
+    _run(parsed, output, overwrite=overwrite, resume=resume, device=device, quiet=quiet)
+
+
+def _dry_run(recipe, output: Path) -> None:
+    from sinv_prune.preflight import preflight
+    from sinv_prune.recipe import STAGES, RecipeError
+
+    try:
+        layouts = preflight(recipe)
+    except RecipeError as err:
+        raise UsageError(str(err)) from None
+    heads = sum(lay.num_heads for lay in layouts)
+    stages = [s for s in STAGES if s in ("score", "prune", "evaluate", "report") or getattr(recipe, s, None)]
+    click.echo(f"recipe {recipe.name!r} is valid; output: {output}")
+    click.echo(f"model: {len(layouts)} layers, {heads} heads; stages: {' -> '.join(stages)}")
+    for arm in recipe.prune.arms:
+        click.echo(f"  arm {arm.label}: {arm.criterion}, amount {arm.amount}, {arm.mode}")
+
+
+def _run(recipe, output: Path, **kwargs) -> None:
+    import logging
+
+    from sinv_prune.pipeline import RunStageError, run_recipe
+    from sinv_prune.recipe import RecipeError
+    from sinv_prune.rundir import RunDirError
+
+    fresh = not output.exists()
+    if kwargs["quiet"]:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        results = run_recipe(recipe, output, **kwargs)
+    except RunStageError as err:
+        raise UsageError(str(err)) from None  # finished stages stay for --resume
+    except (RecipeError, RunDirError) as err:
+        if fresh:
+            shutil.rmtree(output, ignore_errors=True)
+        raise UsageError(str(err)) from None
+    _print_summary(results, output)
+
+
+def _print_summary(results: dict, output: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from sinv_prune.report import format_cell, summary_rows
+
+    rows = summary_rows(results)
+    table = Table(title=f"sinv-prune: {output}", title_justify="left")
+    for key in rows[0]:
+        table.add_column(key, justify="left" if key in ("arm", "criterion") else "right")
+    for row in rows:
+        table.add_row(*(format_cell(v) for v in row.values()))
+    console = Console()
+    console = Console(width=max(console.width, 120))  # one row per arm, unwrapped, also in logs
+    console.print(table)
+    console.print(f"report: {output / 'report.md'}   results: {output / 'results.json'}")
 
 
 @main.command()
@@ -132,6 +231,59 @@ def _save_atomically(output: Path, overwrite: bool, write) -> None:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
+
+
+@main.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--repo-id", required=True, metavar="USER/NAME", help="Hub repo to push to (NAME alone: your user).")
+@click.option("--private", is_flag=True, help="Create the repo private (default: the namespace's default).")
+@click.option("--revision", default=None, metavar="BRANCH", help="Branch to push to (created from main if missing).")
+@click.option("--overwrite", is_flag=True, help="Push into an existing repo, replacing its files.")
+@click.option("--commit-message", default=None, help="Commit message (default: 'Upload pruned model ...').")
+def push(source: Path, repo_id: str, private: bool, revision, overwrite: bool, commit_message) -> None:
+    """Check that SOURCE reloads in a fresh process, then push it with a model card to the Hub.
+
+    \b
+    SOURCE is one of
+      RUN_DIR/ARM_NAME        an arm of a recipe run, by the name in its results
+      RUN_DIR/arms/DIR        an arm directory (its fine-tuned model if any, else the pruned one)
+      MODEL_DIR               any checkpoint directory, e.g. RUN_DIR/arms/DIR/pruned
+    The card uses the run's results.json and recipe.yaml when SOURCE is part of a run.
+    The token comes from HF_TOKEN or `hf auth login`, never from a recipe; HF_ENDPOINT picks the server.
+    """
+    import logging
+
+    from sinv_prune.hub import PushError, push_pruned, resolve_source
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("sinv_prune")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        found = resolve_source(source)
+        what = f" (run {found.run_dir}, arm {found.arm})" if found.arm else ""
+        click.echo(f"pushing {found.model_dir}{what} to {repo_id}")
+        result = push_pruned(
+            found.model_dir,
+            repo_id,
+            private=private,
+            revision=revision,
+            overwrite=overwrite,
+            results=found.results,
+            recipe_text=found.recipe_text,
+            arm=found.arm,
+            stage=found.stage,
+            commit_message=commit_message,
+        )
+    except PushError as err:
+        raise UsageError(str(err)) from None
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    gone = f", deleted {len(result.deleted)} stale" if result.deleted else ""
+    click.echo(f"pushed {len(result.files)} files{gone} to {result.url} ({result.revision}): {result.commit_url}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,470 @@
+"""The stages of a recipe run: train -> score -> prune -> finetune -> evaluate -> report.
+
+``run_recipe`` is what ``sinv-prune RECIPE`` calls, and what API users can call too.
+Each stage writes its outputs atomically and is recorded in ``state.json`` when it
+finishes, so ``resume=True`` picks up after the last finished stage (and from the last
+Trainer checkpoint inside a training stage).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from sinv_prune import data as data_mod
+from sinv_prune.checkpoint import from_pretrained
+from sinv_prune.criteria import get_criterion
+from sinv_prune.evaluation import compare_speed, mlm_loss, parameter_breakdown, perplexity
+from sinv_prune.preflight import build_model, is_masked_lm, preflight
+from sinv_prune.recipe import ArmSpec, Recipe, recipe_to_yaml
+from sinv_prune.report import write_report
+from sinv_prune.rundir import RunDir, write_dir, write_json, write_text
+from sinv_prune.selection import model_layouts, select_heads
+from sinv_prune.surgery import count_parameters, prune_heads
+from sinv_prune.training import run_trainer
+
+logger = logging.getLogger("sinv_prune")
+
+
+@dataclass
+class Run:
+    """Everything a stage needs: the recipe, the run directory, data and the base model."""
+
+    recipe: Recipe
+    dir: RunDir
+    device: str
+    quiet: bool
+    tokenizer: Any = None
+    ids: dict[str, torch.Tensor] = field(default_factory=dict)
+    base: Any = None
+
+    @property
+    def root(self) -> Path:
+        return self.dir.root
+
+    @property
+    def mlm(self) -> bool:
+        return is_masked_lm(self.base)
+
+
+def run_recipe(
+    recipe: Recipe,
+    output: str | Path,
+    *,
+    overwrite: bool = False,
+    resume: bool = False,
+    device: str | None = None,
+    quiet: bool = False,
+) -> dict:
+    """Run every stage of ``recipe`` into the directory ``output``; returns ``results.json``'s content."""
+    preflight(recipe)
+    device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    run = Run(recipe, RunDir.open(Path(output), overwrite=overwrite, resume=resume), device, quiet)
+    handler = _log_to_file(run.root / "run.log")
+    try:
+        write_text(run.root / "recipe.yaml", recipe_to_yaml(recipe))
+        logger.info("run %s in %s on %s (resume=%s)", recipe.name, run.root, device, resume)
+        prepare_data(run)
+        stage_train(run)
+        stage_score(run)
+        stage_prune(run)
+        stage_finetune(run)
+        results = stage_evaluate(run)
+        stage_report(run, results)
+        stage_push(run, results)
+        return results
+    finally:
+        logging.getLogger("sinv_prune").removeHandler(handler)
+        handler.close()
+
+
+# -- data and the starting model --------------------------------------------------------------
+
+
+def prepare_data(run: Run) -> None:
+    """Load the corpus and the tokenizer (trained on the train split when asked); token streams per split."""
+    spec = run.recipe.data
+    corpus = load_corpus(run.recipe)
+    tok_dir = run.root / "tokenizer"
+    if tok_dir.exists():
+        run.tokenizer = data_mod.load_model_tokenizer(str(tok_dir))
+    elif spec.tokenizer.kind == "model":
+        model_spec = run.recipe.model
+        run.tokenizer = data_mod.load_model_tokenizer(
+            run.recipe.resolve(model_spec.path), gguf_file=model_spec.gguf_file
+        )
+        write_dir(tok_dir, run.tokenizer.save_pretrained)
+    else:
+        run.tokenizer = data_mod.train_tokenizer(
+            corpus["train"],
+            kind=spec.tokenizer.kind,
+            vocab_size=spec.tokenizer.vocab_size,
+            mlm=run.recipe.model.architecture in ("bert", "roberta"),
+        )
+        write_dir(tok_dir, run.tokenizer.save_pretrained)
+    for split in corpus:
+        run.ids[split] = data_mod.token_ids(corpus[split], run.tokenizer)
+    logger.info("data: %s", {k: int(v.numel()) for k, v in run.ids.items()})
+
+
+def load_corpus(recipe: Recipe):
+    """The recipe's text splits as a ``datasets.DatasetDict`` (train / valid / test where given)."""
+    spec = recipe.data
+    if spec.synthetic is not None:
+        s = spec.synthetic
+        return data_mod.synthetic_corpus(num_train=s.num_train, num_valid=s.num_valid, num_test=s.num_test, seed=s.seed)
+    if spec.files is not None:
+        files = {k: recipe.resolve(v) for k, v in spec.files.model_dump().items() if v is not None}
+        return data_mod.load_text_splits(files)
+    return data_mod.load_text_splits(spec.hub.path, spec.hub.name)
+
+
+def _eval_split(run: Run) -> str:
+    return "test" if "test" in run.ids else "valid"
+
+
+def _score_split(run: Run) -> str:
+    return "valid" if "valid" in run.ids else ("train" if "train" in run.ids else "test")
+
+
+def stage_train(run: Run) -> None:
+    """Build or load the starting model; train it if the recipe says so; save it as ``base/``."""
+    base_dir = run.root / "base"
+    if run.dir.done("train"):
+        run.base = from_pretrained(base_dir).to(run.device)
+        return
+    model = build_model(run.recipe, vocab_size=len(run.tokenizer), tokenizer=run.tokenizer)
+    spec = run.recipe.train
+    if spec is not None:
+        from sinv_prune.tracking import ConvergenceCallback
+
+        if "train" not in run.ids:
+            raise ValueError("the train stage needs a train split (data.files.train or a synthetic/hub corpus)")
+        callbacks = []
+        if spec.tracking is not None:
+            t = spec.tracking
+            callbacks.append(
+                ConvergenceCallback(
+                    run.root / "trace.jsonl",
+                    every_n_steps=t.every_n_steps,
+                    threshold=t.threshold,
+                    stop=t.stop,
+                    freeze_converged=t.freeze_converged,
+                )
+            )
+        seq = run.recipe.data.seq_len
+        eval_blocks = data_mod.lm_blocks(run.ids["valid"], seq) if "valid" in run.ids else None
+        out = run_trainer(
+            model,
+            run.tokenizer,
+            data_mod.lm_blocks(run.ids["train"], seq),
+            eval_blocks,
+            spec,
+            run.root / "checkpoints" / "train",
+            mlm=is_masked_lm(model),
+            seed=run.recipe.seed,
+            device=run.device,
+            quiet=run.quiet,
+            callbacks=callbacks,
+            resume=True,
+        )
+        run.dir.state["train"] = {"steps": out.global_step, "train_loss": out.training_loss}
+    _save_model(model, run.tokenizer, base_dir)
+    run.base = model.to(run.device).eval()
+    run.dir.finish("train")
+
+
+def _save_model(model, tokenizer, path: Path) -> None:
+    def write(d: Path) -> None:
+        model.save_pretrained(d)
+        tokenizer.save_pretrained(d)
+
+    write_dir(path, write)
+
+
+# -- scoring and pruning ------------------------------------------------------------------------
+
+
+def criterion_key(arm: ArmSpec | str) -> str:
+    """One scoring per distinct criterion + options (random keeps its seed in the arm)."""
+    if isinstance(arm, str):
+        return arm
+    opts = ",".join(f"{k}={v}" for k, v in sorted(arm.options.items()))
+    return f"{arm.criterion}({opts})" if opts else arm.criterion
+
+
+def stage_score(run: Run) -> None:
+    """Score heads of the base model with every criterion the arms (and ``score.criteria``) use."""
+    path = run.root / "scores.json"
+    if run.dir.done("score"):
+        return
+    spec = run.recipe.score
+    wanted: dict[str, tuple[str, dict]] = {name: (name, {}) for name in spec.criteria}
+    for arm in run.recipe.prune.arms:
+        wanted.setdefault(criterion_key(arm), (arm.criterion, dict(arm.options)))
+    results = {}
+    for key, (name, options) in wanted.items():
+        if name == "random":
+            continue  # drawn per arm from the arm's seed
+        crit = get_criterion(name, **options)
+        start = time.perf_counter()
+        batches = _score_batches(run) if crit.needs_data else None
+        trace = run.root / "trace.jsonl" if crit.needs_trace else None
+        scores = crit.compute(run.base, batches=batches, trace=trace)
+        results[key] = {"scores": scores, "report": crit.report(), "seconds": time.perf_counter() - start}
+        logger.info("scored %s in %.1fs %s", key, results[key]["seconds"], crit.report() or "")
+    write_json(path, results)
+    run.dir.finish("score")
+
+
+def _score_batches(run: Run):
+    spec = run.recipe.score
+    blocks = data_mod.lm_blocks(run.ids[_score_split(run)], run.recipe.data.seq_len)
+    n = min(spec.batches * spec.batch_size, len(blocks))
+    ids = torch.tensor(blocks[:n]["input_ids"])
+    chunks = list(torch.split(ids, spec.batch_size))
+    for chunk in tqdm(chunks, desc="scoring", disable=run.quiet):
+        batch = {"input_ids": chunk.to(run.device)}
+        if is_masked_lm(run.base):
+            batch = _mask_batch(run, batch["input_ids"])
+        yield batch
+
+
+def _mask_batch(run: Run, ids: torch.Tensor) -> dict:
+    from transformers import DataCollatorForLanguageModeling
+
+    collator = DataCollatorForLanguageModeling(run.tokenizer, mlm=True, seed=run.recipe.seed)
+    batch = collator([{"input_ids": row} for row in ids.cpu()])
+    return {k: v.to(run.device) for k, v in batch.items()}
+
+
+def arm_heads(run: Run, arm: ArmSpec, scores: dict) -> dict[int, list[int]]:
+    """The heads this arm removes, from its criterion's scores and its selection options."""
+    if arm.criterion == "random":
+        values = get_criterion("random", **{"seed": arm.seed, **arm.options}).compute(run.base)
+    else:
+        values = scores[criterion_key(arm)]["scores"]
+    return select_heads(
+        values,
+        arm.amount,
+        layouts=model_layouts(run.base),
+        mode=arm.mode,
+        min_heads_per_layer=arm.min_heads_per_layer,
+        seed=arm.seed,
+    )
+
+
+def stage_prune(run: Run) -> None:
+    """Every arm starts from the same base model, so criteria compare on equal terms."""
+    import json
+
+    scores = json.loads((run.root / "scores.json").read_text())
+    for arm in run.recipe.prune.arms:
+        state = run.dir.arm(arm.label)
+        if state.get("pruned"):
+            continue
+        heads = arm_heads(run, arm, scores)
+        model = copy.deepcopy(run.base)
+        summary = prune_heads(model, heads, allow_empty_layers=run.recipe.prune.allow_empty_layers)
+        path = run.root / "arms" / _safe(arm.label) / "pruned"
+        _save_model(model, run.tokenizer, path)
+        state.update(
+            pruned=True,
+            criterion=arm.criterion,
+            heads_removed=summary.heads_removed,
+            removed=model.config.sinv_prune["pruned_heads"],
+            pruned_dir=str(path.relative_to(run.root)),
+        )
+        run.dir.save()
+        logger.info("arm %s: removed %d heads -> %s", arm.label, summary.heads_removed, path)
+        del model
+    run.dir.finish("prune")
+
+
+def stage_finetune(run: Run) -> None:
+    spec = run.recipe.finetune
+    if spec is None or run.dir.done("finetune"):
+        return
+    seq = run.recipe.data.seq_len
+    train_split = "train" if "train" in run.ids else "valid"
+    for arm in run.recipe.prune.arms:
+        state = run.dir.arm(arm.label)
+        if state.get("finetuned"):
+            continue
+        model = from_pretrained(run.root / state["pruned_dir"])
+        arm_dir = run.root / "arms" / _safe(arm.label)
+        out = run_trainer(
+            model,
+            run.tokenizer,
+            data_mod.lm_blocks(run.ids[train_split], seq),
+            None,
+            spec,
+            arm_dir / "checkpoints",
+            mlm=is_masked_lm(model),
+            seed=run.recipe.seed,
+            device=run.device,
+            quiet=run.quiet,
+            resume=True,
+        )
+        _save_model(model, run.tokenizer, arm_dir / "finetuned")
+        state.update(finetuned=True, finetuned_dir=str((arm_dir / "finetuned").relative_to(run.root)))
+        state["finetune"] = {"steps": out.global_step, "train_loss": out.training_loss}
+        run.dir.save()
+        del model
+    run.dir.finish("finetune")
+
+
+# -- evaluation and report ----------------------------------------------------------------------
+
+
+def evaluate_model(run: Run, model, label: str) -> dict:
+    """Perplexity (or MLM loss), parameter counts and speed of one model."""
+    spec, data = run.recipe.evaluate, run.recipe.data
+    model = model.to(run.device).eval()
+    ids = run.ids[_eval_split(run)]
+    out: dict[str, Any] = {"params": count_parameters(model), "params_breakdown": parameter_breakdown(model)}
+    stride = data.eval_stride or data.seq_len
+    if is_masked_lm(model):
+        res = mlm_loss(
+            model,
+            ids,
+            seq_len=data.seq_len,
+            seed=run.recipe.seed,
+            batch_size=spec.batch_size,
+            mask_token_id=run.tokenizer.mask_token_id,
+            special_ids=tuple(run.tokenizer.all_special_ids),
+            max_tokens=data.max_eval_tokens,
+        )
+        out.update(perplexity=res["mlm_perplexity"], nll=res["mlm_loss"], eval=res)
+    else:
+        res = perplexity(
+            model,
+            ids,
+            seq_len=data.seq_len,
+            stride=stride,
+            batch_size=spec.batch_size,
+            max_tokens=data.max_eval_tokens,
+            progress=not run.quiet,
+        )
+        out.update(perplexity=res["perplexity"], nll=res["nll"], eval=res)
+    if spec.speed:
+        # Interleaved with the baseline in one process, so machine load hits both alike.
+        speed = compare_speed(
+            run.base,
+            model,
+            batch_size=spec.speed_batch_size,
+            seq_len=spec.speed_seq_len or data.seq_len,
+            repeats=spec.speed_repeats,
+            device=run.device,
+        )
+        out["speed"] = {**speed["b"], "speedup_vs_baseline": speed["speedup"]}
+    logger.info("evaluated %s: ppl %.3f, %d params", label, out["perplexity"], out["params"])
+    return out
+
+
+def stage_evaluate(run: Run) -> dict:
+    """Baseline and every arm, after pruning and (if fine-tuned) after fine-tuning."""
+    import json
+
+    path = run.root / "evaluation.json"
+    if run.dir.done("evaluate"):
+        return json.loads(path.read_text())
+    results: dict[str, Any] = {"baseline": evaluate_model(run, run.base, "baseline"), "arms": []}
+    for arm in run.recipe.prune.arms:
+        state = run.dir.arm(arm.label)
+        pruned = from_pretrained(run.root / state["pruned_dir"])
+        row: dict[str, Any] = {
+            "name": arm.label,
+            "criterion": arm.criterion,
+            "options": arm.options,
+            "amount": arm.amount,
+            "mode": arm.mode,
+            "seed": arm.seed,
+            "heads_removed": state["heads_removed"],
+            "removed": state["removed"],
+            "pruned": evaluate_model(run, pruned, f"{arm.label} (pruned)"),
+            "model_dir": state["pruned_dir"],
+        }
+        del pruned
+        if state.get("finetuned"):
+            tuned = from_pretrained(run.root / state["finetuned_dir"])
+            row["finetuned"] = evaluate_model(run, tuned, f"{arm.label} (fine-tuned)")
+            row["model_dir"] = state["finetuned_dir"]
+            del tuned
+        final = row.get("finetuned", row["pruned"])
+        row["params"] = final["params"]
+        row["perplexity"] = final["perplexity"]
+        results["arms"].append(row)
+    results["baseline"]["model_dir"] = "base"
+    results["run"] = {
+        "name": run.recipe.name,
+        "device": run.device,
+        "eval_split": _eval_split(run),
+        "task": "masked-lm" if run.mlm else "causal-lm",
+        "train": run.dir.state.get("train"),
+    }
+    write_json(path, results)
+    run.dir.finish("evaluate")
+    return results
+
+
+def stage_report(run: Run, results: dict) -> None:
+    write_report(run.root, results, run.recipe, plots=run.recipe.report.plots)
+    run.dir.finish("report")
+
+
+def stage_push(run: Run, results: dict) -> None:
+    """Push the chosen arms (each checked by a fresh-process reload first) with a model card."""
+    spec = run.recipe.push
+    if spec is None or run.dir.done("push"):
+        return
+    from sinv_prune.hub import PushError, push_pruned
+
+    for row in results["arms"]:
+        if spec.arms is not None and row["name"] not in spec.arms:
+            continue
+        state = run.dir.arm(row["name"])
+        if state.get("pushed"):
+            continue
+        repo_id = spec.repo_id.replace("{arm}", _safe(row["name"]))
+        try:
+            pushed = push_pruned(
+                run.root / row["model_dir"],
+                repo_id,
+                private=spec.private,
+                revision=spec.revision,
+                overwrite=spec.overwrite,
+                results=results,
+                recipe_text=recipe_to_yaml(run.recipe),
+                arm=row["name"],
+            )
+        except PushError as err:
+            raise RunStageError(f"push: {err}") from None
+        state["pushed"] = pushed.url
+        run.dir.save()
+        logger.info("pushed %s to %s", row["name"], pushed.url)
+    run.dir.finish("push")
+
+
+class RunStageError(ValueError):
+    """A stage that cannot go on for a reason the user can fix (one line, CLI exit code 2)."""
+
+
+def _safe(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)
+
+
+def _log_to_file(path: Path) -> logging.Handler:
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("sinv_prune")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    return handler

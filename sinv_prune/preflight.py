@@ -1,0 +1,122 @@
+"""Everything checked before a run creates its directory, and the starting model's construction.
+
+A recipe that cannot run fails here with a :class:`~sinv_prune.recipe.RecipeError` naming
+the key: missing files, unknown criteria, unsupported architectures, and arms whose amount
+the model's heads (and GQA groups) cannot meet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from sinv_prune.arch import get_adapter
+from sinv_prune.arch.base import HeadLayout
+from sinv_prune.recipe import SCRATCH_ARCHITECTURES, Recipe, RecipeError
+
+
+def is_masked_lm(model: nn.Module) -> bool:
+    return type(model).__name__.removeprefix("SinvPruned").endswith("ForMaskedLM")
+
+
+def scratch_config(recipe: Recipe, vocab_size: int | None = None, tokenizer=None):
+    """The config of a model trained from scratch, sized by the recipe and the tokenizer."""
+    config_name, _ = SCRATCH_ARCHITECTURES[recipe.model.architecture]
+    extra = {}
+    if tokenizer is not None:
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(tokenizer, key, None)
+            if value is not None:
+                extra[key] = value
+    if vocab_size is not None:
+        extra["vocab_size"] = vocab_size
+    try:
+        return getattr(transformers, config_name)(**{**recipe.model.config, **extra})
+    except (TypeError, ValueError) as err:
+        raise RecipeError(f"model.config: {' '.join(str(err).split())}") from None
+
+
+def build_model(recipe: Recipe, vocab_size: int | None = None, tokenizer=None) -> nn.Module:
+    """The starting model: built from scratch (seeded) or loaded with ``sinv_prune.from_pretrained``."""
+    from sinv_prune.checkpoint import from_pretrained
+
+    spec = recipe.model
+    if spec.scratch:
+        torch.manual_seed(recipe.seed)
+        model_cls = getattr(transformers, SCRATCH_ARCHITECTURES[spec.architecture][1])
+        return model_cls(scratch_config(recipe, vocab_size, tokenizer))
+    kwargs = {k: v for k, v in (("gguf_file", spec.gguf_file), ("revision", spec.revision)) if v}
+    return from_pretrained(recipe.resolve(spec.path), **kwargs)
+
+
+def head_layouts(recipe: Recipe) -> list[HeadLayout]:
+    """The starting model's head layouts, from its config alone (weights on the meta device)."""
+    from sinv_prune.checkpoint import model_class, pruned_class
+    from sinv_prune.record import get_record
+
+    spec = recipe.model
+    if spec.scratch:
+        config = scratch_config(recipe)  # the config's own vocabulary: only head sizes matter here
+        cls = getattr(transformers, SCRATCH_ARCHITECTURES[spec.architecture][1])
+    else:
+        path = recipe.resolve(spec.path)
+        if spec.gguf_file and not (Path(path) / spec.gguf_file).is_file() and Path(path).is_dir():
+            raise RecipeError(f"model.gguf_file: {Path(path) / spec.gguf_file} does not exist")
+        kwargs = {k: v for k, v in (("gguf_file", spec.gguf_file), ("revision", spec.revision)) if v}
+        try:
+            config = transformers.AutoConfig.from_pretrained(path, **kwargs)
+        except (OSError, ValueError) as err:
+            raise RecipeError(f"model.path: cannot load a config from {path!r} ({_first_line(err)})") from None
+        record = get_record(config)
+        cls = model_class(config, record, gguf=bool(spec.gguf_file))
+        if record is not None and not record.stock_layout:
+            cls = pruned_class(cls)
+    with torch.device("meta"):
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    try:
+        adapter = get_adapter(model)
+    except ValueError as err:
+        raise RecipeError(f"model: {err}") from None
+    return [adapter.layout(i) for i in range(adapter.num_layers)]
+
+
+def preflight(recipe: Recipe) -> list[HeadLayout]:
+    """Check what can be checked before any work; returns the starting model's head layouts."""
+    from sinv_prune.criteria import criterion_class
+    from sinv_prune.selection import select_heads
+
+    files = recipe.data.files
+    if files is not None:
+        for split in ("train", "valid", "test"):
+            value = getattr(files, split)
+            if value is not None and not Path(recipe.resolve(value)).is_file():
+                raise RecipeError(f"data.files.{split}: {recipe.resolve(value)} does not exist")
+    for i, arm in enumerate(recipe.prune.arms):
+        _check_criterion(criterion_class, arm.criterion, f"prune.arms[{i}].criterion")
+    for i, name in enumerate(recipe.score.criteria):
+        _check_criterion(criterion_class, name, f"score.criteria[{i}]")
+    layouts = head_layouts(recipe)
+    total = sum(lay.num_heads for lay in layouts)
+    for i, arm in enumerate(recipe.prune.arms):
+        if isinstance(arm.amount, int) and arm.amount > total:
+            raise RecipeError(f"prune.arms[{i}].amount: {arm.amount} heads requested, the model has {total}")
+        dummy = [[0.0] * lay.num_heads for lay in layouts]
+        try:
+            select_heads(dummy, arm.amount, layouts=layouts, mode=arm.mode, min_heads_per_layer=arm.min_heads_per_layer)
+        except ValueError as err:
+            raise RecipeError(f"prune.arms[{i}].amount: {_first_line(err)}") from None
+    return layouts
+
+
+def _check_criterion(lookup, name: str, where: str) -> None:
+    try:
+        lookup(name)
+    except (KeyError, ValueError) as err:
+        raise RecipeError(f"{where}: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    return " ".join(str(err).split()).strip("'\"")

