@@ -286,5 +286,30 @@ def push(source: Path, repo_id: str, private: bool, revision, overwrite: bool, c
     click.echo(f"pushed {len(result.files)} files{gone} to {result.url} ({result.revision}): {result.commit_url}")
 
 
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Directory for the report.")
+@click.option("--layer", "layers", multiple=True, type=int, help="Layer to analyse (repeatable; default all).")
+@click.option("--top-k", default=10, show_default=True, type=click.IntRange(1), help="Tokens per side per head.")
+@click.option("--gguf-file", default=None, help="Load MODEL/GGUF_FILE (a GGUF checkpoint).")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+def align(model: str, output: Path, layers: tuple[int, ...], top_k: int, gguf_file: str | None, overwrite: bool):
+    """Tokens whose keys align most and least with E[b_Q], per head (symmetry-breaking analysis)."""
+    from sinv_prune.symmetry.report import alignment_report
+
+    if output.exists() and not overwrite:
+        raise UsageError(f"{output} exists; pass --overwrite to replace it")
+    try:
+        out = alignment_report(
+            model, output, layer=list(layers) or None, top_k=top_k,
+            load_kwargs={"gguf_file": gguf_file} if gguf_file else None,
+        )  # fmt: skip
+    except (OSError, ValueError) as err:
+        raise UsageError(_one_line(err)) from None
+    if out["summary"].get("note"):
+        click.echo(out["summary"]["note"])
+    click.echo(f"wrote {out['markdown']}, {out['json']}" + (f", {out['png']}" if out.get("png") else ""))
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
