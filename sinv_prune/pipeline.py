@@ -377,6 +377,7 @@ def stage_evaluate(run: Run) -> dict:
     if run.dir.done("evaluate"):
         return json.loads(path.read_text())
     results: dict[str, Any] = {"baseline": evaluate_model(run, run.base, "baseline"), "arms": []}
+    scores = json.loads((run.root / "scores.json").read_text())
     for arm in run.recipe.prune.arms:
         state = run.dir.arm(arm.label)
         pruned = from_pretrained(run.root / state["pruned_dir"])
@@ -391,6 +392,7 @@ def stage_evaluate(run: Run) -> dict:
             "removed": state["removed"],
             "pruned": evaluate_model(run, pruned, f"{arm.label} (pruned)"),
             "model_dir": state["pruned_dir"],
+            "score_report": scores.get(criterion_key(arm), {}).get("report", {}),
         }
         del pruned
         if state.get("finetuned"):

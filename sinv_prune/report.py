@@ -68,6 +68,12 @@ def markdown_report(results: dict, recipe: Recipe) -> str:
     ]
     for row in rows:
         lines.append("| " + " | ".join(format_cell(v) for v in row.values()) + " |")
+    crossed = [a for a in results["arms"] if "crossed" in a.get("score_report", {})]
+    for arm in crossed:
+        rep = arm["score_report"]
+        what = f"{rep.get('measure', 'C_Q')} < {rep.get('threshold')}"
+        lines += ["", f"`{arm['name']}`: {rep['crossed']} heads crossed {what} within the window; "
+                  "the rest were ordered by their lowest value in it."]  # fmt: skip
     if results.get("trace_summary"):
         summary = results["trace_summary"]
         lines += ["", "## Convergence trace", "", "```", _short(summary), "```"]
