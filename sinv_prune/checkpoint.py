@@ -161,9 +161,7 @@ def _auto_map(model_type: str, class_name: str) -> dict[str, str]:
     return out
 
 
-def from_pretrained(
-    path_or_repo_id: str | os.PathLike, *, model_cls: type | None = None, **kwargs
-) -> nn.Module:
+def from_pretrained(path_or_repo_id: str | os.PathLike, *, model_cls: type | None = None, **kwargs) -> nn.Module:
     """Load a pruned (or plain) checkpoint into the right class, with no remote code needed.
 
     ``gguf_file=`` loads a GGUF checkpoint as an ordinary float model that trains and

@@ -38,14 +38,6 @@ HEAD_AUTO = {
 assert set(HEAD_AUTO) == set(ARCHS)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def reload(directory) -> transformers.PreTrainedModel:
     return sinv_prune.from_pretrained(directory, attn_implementation="eager")
 

@@ -180,6 +180,7 @@ def test_sinv_static_is_c_q_and_invert():
 
 # -- sinv_early ---------------------------------------------------------------------------
 
+
 def _series(before: float, after: float, at: int) -> list[float]:
     """C_Q at epochs 0..20: ``before`` until epoch ``at``, ``after`` from then on."""
     return [before] * at + [after] * (21 - at)

@@ -20,16 +20,6 @@ from sinv_prune.diagnostics import (
 )
 from sinv_prune.trace import append_trace
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: tiny tensors only lose to thread hand-offs on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # Layer 0 converges (head 0 at step 20, head 1 at step 30), layer 1 head 0 dips below at step 30
 # and comes back up, layer 1 head 1 and layer 2 never do. The loss falls, then flattens from step 30.
 C_Q = {

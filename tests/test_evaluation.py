@@ -15,15 +15,6 @@ from sinv_prune import evaluation
 from sinv_prune.arch import get_adapter
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread, above all on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def stream(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
 

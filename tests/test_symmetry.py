@@ -28,15 +28,6 @@ from sinv_prune.symmetry import (
 from sinv_prune.symmetry.alignment import input_norm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread, above all on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def no_dropout(model):
     """Dropout off, so that training-mode forwards differ only by the biases."""
     for module in model.modules():

@@ -14,16 +14,6 @@ from sinv_prune.trace import measurements, read_trace
 from sinv_prune.tracking import ConvergenceCallback, HeadFreezer, log_scalars, rule_max, stop_rule, track
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: these tiny models only lose to thread hand-offs, and on a busy
-    2-core machine two spinning OpenMP threads made each step ~100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _record(c_q, c_v, c_ff, **extra):
     return {"step": 1, "epoch": None, "C_Q": c_q, "C_V": c_v, "C_FF": c_ff, **extra}
 
