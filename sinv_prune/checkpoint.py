@@ -204,3 +204,4 @@ def _drop_gguf_quantizer(model: nn.Module) -> None:
     if odd:
         raise ValueError(f"GGUF weights are still quantized ({odd[0]}, ...); cannot make a trainable model")
     quantizer.remove_quantization_config(model)
+    model.hf_quantizer = None  # transformers deletes the attribute; callers expect None

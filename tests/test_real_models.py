@@ -162,7 +162,7 @@ def test_smollm2_gguf_loads_as_plain_trainable_model(smollm2, tmp_path):
     assert type(model) is transformers.LlamaForCausalLM
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
     assert (config.hidden_size, config.head_dim) == (SMOL_HIDDEN, SMOL_HEAD_DIM)
-    assert getattr(model, "hf_quantizer", None) is None
+    assert model.hf_quantizer is None
     assert not getattr(model, "is_quantized", False)
     assert "quantization_config" not in config.to_dict()
     params = list(model.parameters())
