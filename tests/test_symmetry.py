@@ -213,7 +213,7 @@ def test_bias_distribution_defaults_and_json():
         BiasDistribution(std=-1.0)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "mistral"])  # mistral: refused (no bias to save E[b])
 def test_biases_resampled_in_training_mean_in_eval_and_removable(arch):
     model = no_dropout(tiny_model(arch))
     inputs = model_inputs()
@@ -223,7 +223,8 @@ def test_biases_resampled_in_training_mean_in_eval_and_removable(arch):
 
     handle = add_symmetry_breaking(model)
     assert {n for n, _ in model.named_parameters()} == set(params)
-    assert set(model.state_dict()) == state_keys  # non-persistent buffers
+    assert not [k for k in model.state_dict() if "sinv_b_" in k]  # non-persistent buffers
+    assert set(model.state_dict()) >= state_keys  # LLaMA: + the attention biases that hold E[b] in checkpoints
     assert model.config.sinv_symmetry["b_q"]["std_linspace"] == [0.05, 0.15]
     a, b = train_output(model, inputs), train_output(model, inputs)
     assert not torch.allclose(a, b)  # a new draw per training forward
@@ -284,32 +285,6 @@ def test_one_bias_off_and_pruned_layouts():
         for layer in range(adapter.num_layers):
             adapter.projections(layer).v_bias += 0.7
     torch.testing.assert_close(train_output(model, inputs), model_output(ref, inputs), rtol=1e-5, atol=1e-5)
-    handle.remove()
-
-
-def test_qwen3_query_bias_goes_after_q_norm():
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    inputs = model_inputs()
-    plain = model_output(model, inputs)
-    handle = add_symmetry_breaking(model, b_q={"mean": 0.0, "std": 1.0}, b_v=None, seed=0)
-    assert torch.equal(model_output(model, inputs), plain)  # E[b_Q] = 0 in eval
-    seen = []
-    hook = model.model.layers[0].self_attn.q_norm.register_forward_hook(lambda m, a, out: seen.append(out))
-    a = train_output(model, inputs)
-    hook.remove()
-    drawn = handle.current(0, "q")
-    assert not torch.equal(a, plain)
-    # the hook on q_norm ran after ours (registered later): its output is the normalised query + b_Q
-    block = model.model.layers[0]
-    with torch.no_grad():
-        query = block.self_attn.q_proj(block.input_layernorm(model.model.embed_tokens(inputs["input_ids"])))
-        normed = block.self_attn.q_norm(query.unflatten(-1, (4, 8)))
-    torch.testing.assert_close(seen[0], normed + drawn)
     handle.remove()
 
 

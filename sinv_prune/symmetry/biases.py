@@ -16,9 +16,9 @@ modules, so the attention implementation (eager, sdpa, flash) does not matter:
 * GPT-2: the fused ``c_attn`` output gets ``b_Q`` on its query columns and ``b_V`` on its
   value columns;
 * BERT family: the ``query`` and ``value`` linears;
-* LLaMA family: ``q_proj`` and ``v_proj``; where the attention normalises queries per head
-  (``q_norm``, Qwen3) ``b_Q`` is added to the normalised query instead, so it is still the
-  last thing before the rotary embedding.
+* LLaMA family: ``q_proj`` and ``v_proj``. Where the attention normalises queries per head
+  (``q_norm``, Qwen3) a query bias would have to follow the norm, where no checkpoint can hold
+  it, so only ``b_V`` is offered there.
 
 Under rotary position embeddings the query bias is added before the rotation (there is no
 projection output after it), so at relative offset ``r`` a key meets ``R_r b_Q``; at offset 0
@@ -27,10 +27,12 @@ the bias is exactly ``b_Q``.
 Head counts are read from the projection output at every call, so pruned models (different
 head counts per layer) work, before or after :func:`sinv_prune.prune_heads`.
 
-The setting is recorded in ``config.sinv_symmetry`` so a saved checkpoint carries it;
-:func:`restore_symmetry_breaking` re-adds the hooks to a loaded model. The buffers are
-non-persistent: they hold nothing a checkpoint needs (the config does), and keeping them out
-of the state dict lets stock classes load the weights without unexpected keys.
+The setting is recorded in ``config.sinv_symmetry`` so a saved checkpoint carries it, and every
+``state_dict()`` holds ``E[b_Q]`` and ``E[b_V]`` folded into the projection biases
+(:mod:`sinv_prune.symmetry.folding`), so every reload route gives the evaluation outputs of the
+saved model; :func:`restore_symmetry_breaking` (called by :func:`sinv_prune.from_pretrained`)
+unfolds them and re-adds the hooks. The buffers are non-persistent: the config holds everything
+they need.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ import torch
 from torch import nn
 
 from sinv_prune.arch import get_adapter
+from sinv_prune.symmetry.folding import (
+    FoldOnSave,
+    UnfoldOnLoad,
+    drop_zero_attention_biases,
+    fold_plan,
+    unfold_parameters,
+)
 from sinv_prune.version import __version__
 
 CONFIG_KEY = "sinv_symmetry"
@@ -130,6 +139,10 @@ class SymmetryBreakingConfig:
     b_q: BiasDistribution | None = DEFAULT_B_Q
     b_v: BiasDistribution | None = DEFAULT_B_V
     seed: int | None = None
+    #: checkpoints hold ``E[b]`` folded into the projection biases (False: written before folding existed)
+    folded: bool = True
+    #: ``config.attention_bias`` was turned on to give the folded means a place (LLaMA, Qwen3)
+    attention_bias_added: bool = False
     type: str = field(default=CONFIG_TYPE)
     version: str = field(default=__version__)
 
@@ -140,6 +153,8 @@ class SymmetryBreakingConfig:
             "b_q": self.b_q.to_json() if self.b_q else None,
             "b_v": self.b_v.to_json() if self.b_v else None,
             "seed": self.seed,
+            "folded": self.folded,
+            "attention_bias_added": self.attention_bias_added,
         }
 
     @classmethod
@@ -150,6 +165,8 @@ class SymmetryBreakingConfig:
             b_q=BiasDistribution.coerce(data.get("b_q")),
             b_v=BiasDistribution.coerce(data.get("b_v")),
             seed=data.get("seed"),
+            folded=bool(data.get("folded", False)),
+            attention_bias_added=bool(data.get("attention_bias_added", False)),
             version=data.get("version", __version__),
         )
 
@@ -176,14 +193,13 @@ def _add_per_head(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 class _ProjectionHook:
-    """Adds ``b_<kind>`` to every head of a projection output (``[..., heads*d]`` or ``[..., heads, d]``)."""
+    """Adds ``b_<kind>`` to every head of a projection output (``[..., heads*d]``)."""
 
-    def __init__(self, attn: nn.Module, kind: str, split_heads: bool):
-        self.attn, self.kind, self.split_heads = attn, kind, split_heads
+    def __init__(self, attn: nn.Module, kind: str):
+        self.attn, self.kind = attn, kind
 
     def __call__(self, module, args, out):
-        bias = _bias(self.attn, self.kind)
-        return out + bias.to(out.dtype) if self.split_heads else _add_per_head(out, bias)
+        return _add_per_head(out, _bias(self.attn, self.kind))
 
 
 class _FusedQKVHook:
@@ -279,6 +295,8 @@ class SymmetryBreakingHandle:
                     attn._buffers.pop(name.format(kind), None)
         if hasattr(self.model.config, CONFIG_KEY):
             delattr(self.model.config, CONFIG_KEY)
+        if self.setting.attention_bias_added:
+            self.model.config.attention_bias = False
         if self.model.__dict__.get(_HANDLE_ATTR) is self:
             del self.model.__dict__[_HANDLE_ATTR]
 
@@ -305,6 +323,7 @@ def add_symmetry_breaking(
     turns that bias off. ``seed`` makes the training draws reproducible (per device); without
     it they come from torch's global generator. The setting is recorded in
     ``model.config.sinv_symmetry``. Raises ``ValueError`` for an unsupported architecture,
+    one with no bias that could carry ``E[b]`` into a checkpoint (Mistral; ``b_Q`` of Qwen3),
     when both biases are off, or when the model already has symmetry breaking.
     """
     setting = SymmetryBreakingConfig(BiasDistribution.coerce(b_q), BiasDistribution.coerce(b_v), seed)
@@ -314,34 +333,36 @@ def add_symmetry_breaking(
         raise ValueError("the model already has symmetry breaking; remove() its handle first")
     adapter = get_adapter(model)
     attns = [adapter.attention(layer) for layer in range(adapter.num_layers)]
-    plans = [_plan(attn, adapter.name) for attn in attns]  # validate everything before changing anything
+    kinds = tuple(k for k, d in (("q", setting.b_q), ("v", setting.b_v)) if d is not None)
+    # validate everything before changing anything
+    folds = [fold_plan(attn, model.config, kinds) for attn in attns]
     for attn in attns:
         clash = [n.format(k) for k in "qv" for n in _BUFFERS if hasattr(attn, n.format(k))]
         if clash:
             raise ValueError(f"{type(attn).__name__} already has attributes {clash}")
-
-    kinds = tuple(k for k, d in (("q", setting.b_q), ("v", setting.b_v)) if d is not None)
     vectors = [
         {kind: getattr(setting, f"b_{kind}").vectors(adapter.layout(layer).head_dim) for kind in kinds}
         for layer in range(len(attns))
     ]  # raises on a head_dim mismatch before anything changes
 
     hooks = []
-    for attn, plan, layer_vectors in zip(attns, plans, vectors, strict=True):
+    for attn, fold, layer_vectors in zip(attns, folds, vectors, strict=True):
         ref = _reference_tensor(attn)
+        hooks.append(attn.register_state_dict_post_hook(FoldOnSave(attn, fold)))
+        hooks.append(attn.register_load_state_dict_pre_hook(UnfoldOnLoad(attn, fold)))
         for kind, (mean, std) in layer_vectors.items():
             mean, std = mean.to(ref.device, ref.dtype), std.to(ref.device, ref.dtype)
             attn.register_buffer(f"sinv_b_{kind}", mean.clone(), persistent=False)
             attn.register_buffer(f"sinv_b_{kind}_mean", mean, persistent=False)
             attn.register_buffer(f"sinv_b_{kind}_std", std, persistent=False)
-        if plan == "fused":
+        if fold.targets[0].child == "c_attn":
             hooks.append(attn.c_attn.register_forward_hook(_FusedQKVHook(attn, kinds)))
             continue
-        q_module, v_module, q_split = plan
-        if "q" in kinds:
-            hooks.append(q_module.register_forward_hook(_ProjectionHook(attn, "q", q_split)))
-        if "v" in kinds:
-            hooks.append(v_module.register_forward_hook(_ProjectionHook(attn, "v", False)))
+        for target in fold.targets:
+            hooks.append(getattr(attn, target.child).register_forward_hook(_ProjectionHook(attn, target.kind)))
+    if any(fold.needs_attention_bias for fold in folds):
+        setting.attention_bias_added = True
+        model.config.attention_bias = True  # the saved config builds the biases the folded means sit in
     resampler = _Resampler(attns, setting)
     hooks.append(adapter.base.register_forward_pre_hook(resampler))
     handle = SymmetryBreakingHandle(model, setting, attns, hooks, resampler)
@@ -362,21 +383,25 @@ def restore_symmetry_breaking(model: nn.Module) -> SymmetryBreakingHandle | None
     setting = get_symmetry_config(model.config)
     if setting is None:
         return None
+    if setting.folded:
+        _unfold(model, setting)
     return add_symmetry_breaking(model, b_q=setting.b_q, b_v=setting.b_v, seed=setting.seed)
 
 
-def _plan(attn: nn.Module, arch: str):
-    """Where the q and v projections of an attention module are: ``"fused"`` or ``(q, v, q_split)``."""
-    if hasattr(attn, "c_attn") and not getattr(attn, "is_cross_attention", False):
-        return "fused"
-    if hasattr(attn, "query") and hasattr(attn, "value"):
-        return attn.query, attn.value, False
-    if hasattr(attn, "q_proj") and hasattr(attn, "v_proj"):
-        q_norm = getattr(attn, "q_norm", None)
-        if isinstance(q_norm, nn.Module) and not isinstance(q_norm, nn.Identity):
-            return q_norm, attn.v_proj, True
-        return attn.q_proj, attn.v_proj, False
-    raise ValueError(f"symmetry breaking does not know the q/v projections of {arch!r} ({type(attn).__name__})")
+def _unfold(model: nn.Module, setting: SymmetryBreakingConfig) -> None:
+    """Take the folded ``E[b]`` out of a loaded checkpoint's biases (and the biases only folding added)."""
+    adapter = get_adapter(model)
+    kinds = tuple(k for k, d in (("q", setting.b_q), ("v", setting.b_v)) if d is not None)
+    attns = [adapter.attention(layer) for layer in range(adapter.num_layers)]
+    for layer, attn in enumerate(attns):
+        head_dim, dtype = adapter.layout(layer).head_dim, _reference_tensor(attn).dtype
+        # rounded like the buffers that were folded in (add_symmetry_breaking keeps them in the weights' dtype)
+        means = {kind: getattr(setting, f"b_{kind}").vectors(head_dim)[0].to(dtype) for kind in kinds}
+        unfold_parameters(attn, fold_plan(attn, model.config, kinds).targets, means)
+    if setting.attention_bias_added and all(drop_zero_attention_biases(attn, dry_run=True) for attn in attns):
+        for attn in attns:
+            drop_zero_attention_biases(attn)
+        model.config.attention_bias = False
 
 
 def _reference_tensor(attn: nn.Module) -> torch.Tensor:
