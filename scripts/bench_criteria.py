@@ -4,10 +4,11 @@ For every criterion (``random`` over several seeds, ``magnitude`` (p=2), ``sinv_
 order: lowest C_Q pruned first), ``sinv_static_inv`` (``invert=True``: highest C_Q first, a control),
 ``taylor`` and ``entropy`` (both scored on WikiText-2 *valid* batches)), scored once on the unpruned model:
 
-* global, GQA-aware cuts of about 5%, 10% and 20% of the 270 heads (``select_heads(mode="global")``:
-  14, 27, 54 heads; every KV group of a layer keeps the same number of query heads);
-* the uniform 33% cut (not in ``--quick``): in every layer, in every KV group, the group's lowest-scored query head
-  (90 heads; every layer ends with 6 query / 3 KV heads, as ``mode="uniform"`` is meant to give).
+* global, GQA-aware cuts of about 5%, 10% and 20% of the 270 heads (``select_heads(mode="global", layout="auto")``:
+  14, 27, 54 heads; every KV group of a layer keeps the same number of query heads, whole groups may go);
+* the uniform 33% cut (not in ``--quick``): ``select_heads(mode="uniform", layout="q_per_group")``, in every layer,
+  in every KV group, the group's lowest-scored query head (90 heads; every layer ends with 6 query / 3 KV heads).
+  What ``layout="auto"`` would have removed instead is reported too (whole KV groups for some criteria).
 
 Each arm: a fresh copy of the unpruned model, ``prune_heads``, test perplexity, a short fine-tune
 (the same for every arm and for the unpruned control: ``--finetune-steps`` AdamW steps on WikiText-2
@@ -207,16 +208,6 @@ def finetune(model, blocks: torch.Tensor, args, device) -> list[float]:
     model.eval()
     del opt
     return losses
-
-
-def one_per_group(scores, model) -> dict[int, list[int]]:
-    """Every layer, every KV group: its lowest-scored query head (ties: the lower index)."""
-    adapter = get_adapter(model)
-    plan = {}
-    for layer, row in enumerate(scores):
-        g = adapter.layout(layer).group_size
-        plan[layer] = [min(range(k * g, (k + 1) * g), key=lambda h: (row[h], h)) for k in range(len(row) // g)]
-    return plan
 
 
 def structure(plan: dict[int, list[int]], model) -> dict:
@@ -424,15 +415,15 @@ def run(argv=None) -> int:
             if mode == "global":
                 requested = math.floor(amount * total_heads + 0.5)
                 try:
-                    plan = select_heads(s, requested, layouts=layouts, mode="global", seed=seed or 0)
+                    plan = select_heads(s, requested, layouts=layouts, mode="global", layout="auto", seed=seed or 0)
                 except ValueError as err:
                     print(f"  {label} {cut}: cannot select ({err})")
                     continue
             else:
                 requested = sum(lay.num_kv_heads for lay in layouts)
-                plan = one_per_group(s, base)
-                # What select_heads(mode="uniform") would have removed for the same amount (reported only).
-                uni = select_heads(s, requested, layouts=layouts, mode="uniform", seed=seed or 0)
+                plan = select_heads(s, requested, layouts=layouts, mode="uniform", layout="q_per_group", seed=seed or 0)
+                # What layout="auto" (the cheapest shape by rank) would have removed instead (reported only).
+                uni = select_heads(s, requested, layouts=layouts, mode="uniform", layout="auto", seed=seed or 0)
                 uniform_mode[label if seed is None else f"{label}_seed{seed}"] = structure(uni, base)
             arm = {"criterion": label, "seed": seed, "cut": cut, "mode": mode, "requested": requested,
                    **structure(plan, base), "selection": {str(k): v for k, v in plan.items()}}  # fmt: skip
@@ -458,10 +449,10 @@ def run(argv=None) -> int:
     if uniform_mode:
         kv = {k: v["kv_removed"] for k, v in uniform_mode.items() if v["kv_removed"]}
         print(
-            f"select_heads(mode='uniform', amount={requested}) would remove whole KV groups for "
+            f"select_heads(mode='uniform', layout='auto', amount={requested}) would remove whole KV groups for "
             f"{len(kv)} of {len(uniform_mode)} score sets ({', '.join(f'{k}: {v} KV heads' for k, v in kv.items())})"
             if kv
-            else f"select_heads(mode='uniform', amount={requested}) agrees: one query head per KV group"
+            else f"select_heads(mode='uniform', layout='auto', amount={requested}) agrees: one query head per KV group"
         )
     elapsed = time.perf_counter() - t_start
     common.finish(info)

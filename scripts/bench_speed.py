@@ -9,11 +9,12 @@ Three shapes with random weights (speed does not depend on the values), float32:
   vocabulary, so that the layers, not the embeddings, carry the cost (~405M parameters, 1.6 GB).
 
 Cuts (heads chosen by ``random`` scores, seed 0; which heads go does not change the cost):
-``25%`` and ``50%`` of all heads by ``select_heads(mode="global")`` (GQA-aware), and a uniform third
-(rounded down) of every layer's heads: ``uniform 4/12`` (GPT-2), ``uniform 10/32`` (LLaMA-7B; MHA, so
-every query head takes its KV head along), and for GQA both ``uniform 3/9 (1 q/group)``, one query
-head per KV group (the KV heads and the cache stay), and ``uniform 3/9 (1 KV group)``, one whole KV
-group per layer (the cache shrinks by a third).
+``25%`` and ``50%`` of all heads by ``select_heads(mode="global", layout="auto")`` (GQA-aware), and a
+uniform third (rounded down) of every layer's heads (``select_heads(mode="uniform")``): ``uniform 4/12``
+(GPT-2), ``uniform 10/32`` (LLaMA-7B; MHA, so every query head takes its KV head along), and for GQA
+both ``uniform 3/9 (1 q/group)`` (``layout="q_per_group"``), one query head per KV group (the KV heads
+and the cache stay), and ``uniform 3/9 (1 KV group)`` (``layout="kv_groups"``), one whole KV group per
+layer (the cache shrinks by a third).
 
 * Forward: ``sinv_prune.evaluation.compare_speed(unpruned, pruned)``: warm-up, then repetitions that
   alternate which model runs first (ABBA), median of the per-repetition ratios; batch ``--batch`` x
@@ -97,7 +98,7 @@ def cuts(model) -> list[tuple[str, dict[int, list[int]]]]:
     adapter = get_adapter(model)
     lays = [adapter.layout(i) for i in range(adapter.num_layers)]
     scores = get_criterion("random", seed=0).scores(model)
-    out = [(name, select_heads(scores, amount, layouts=lays, mode="global")) for name, amount in
+    out = [(name, select_heads(scores, amount, layouts=lays, mode="global", layout="auto")) for name, amount in
            (("25%", 0.25), ("50%", 0.50))]  # fmt: skip
     g, h = lays[0].group_size, lays[0].num_heads
     if g == 1:
@@ -105,10 +106,9 @@ def cuts(model) -> list[tuple[str, dict[int, list[int]]]]:
         plan = select_heads(scores, per_layer * len(lays), layouts=lays, mode="uniform")
         out.append((f"uniform {per_layer}/{h}", plan))
     else:
-        one_q = {i: [k * g + (i + k) % g for k in range(lay.num_kv_heads)] for i, lay in enumerate(lays)}
-        one_kv = {i: list(range((i % lay.num_kv_heads) * g, (i % lay.num_kv_heads + 1) * g))
-                  for i, lay in enumerate(lays)}  # fmt: skip
         kv = lays[0].num_kv_heads
+        one_q = select_heads(scores, kv * len(lays), layouts=lays, mode="uniform", layout="q_per_group", exact=True)
+        one_kv = select_heads(scores, g * len(lays), layouts=lays, mode="uniform", layout="kv_groups", exact=True)
         out += [(f"uniform {kv}/{h} (1 q/group)", one_q), (f"uniform {g}/{h} (1 KV group)", one_kv)]
     return out
 

@@ -256,6 +256,7 @@ def arm_heads(run: Run, arm: ArmSpec, scores: dict) -> dict[int, list[int]]:
         arm.amount,
         layouts=model_layouts(run.base),
         mode=arm.mode,
+        layout=arm.layout,
         min_heads_per_layer=arm.min_heads_per_layer,
         seed=arm.seed,
     )
@@ -387,6 +388,7 @@ def stage_evaluate(run: Run) -> dict:
             "options": arm.options,
             "amount": arm.amount,
             "mode": arm.mode,
+            "layout": arm.layout,
             "seed": arm.seed,
             "heads_removed": state["heads_removed"],
             "removed": state["removed"],

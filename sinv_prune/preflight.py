@@ -1,8 +1,9 @@
 """Everything checked before a run creates its directory, and the starting model's construction.
 
 A recipe that cannot run fails here with a :class:`~sinv_prune.recipe.RecipeError` naming
-the key: missing files, unknown criteria, unsupported architectures, and arms whose amount
-the model's heads (and GQA groups) cannot meet.
+the key: missing files, unknown criteria, unsupported architectures, arms that may empty layers
+(``min_heads_per_layer: 0``) without ``prune.allow_empty_layers: true``, and arms whose amount
+the model's heads (GQA groups, the arm's layout) cannot meet.
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
                 raise RecipeError(f"data.files.{split}: {recipe.resolve(value)} does not exist")
     for i, arm in enumerate(recipe.prune.arms):
         _check_criterion(criterion_class, arm.criterion, f"prune.arms[{i}].criterion")
+        if arm.min_heads_per_layer == 0 and not recipe.prune.allow_empty_layers:
+            raise RecipeError(
+                f"prune.arms[{i}].min_heads_per_layer: 0 lets layers lose every head; "
+                "set prune.allow_empty_layers: true to allow that (or keep min_heads_per_layer >= 1)"
+            )
     for i, name in enumerate(recipe.score.criteria):
         _check_criterion(criterion_class, name, f"score.criteria[{i}]")
     layouts = head_layouts(recipe)
@@ -105,7 +111,14 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
             raise RecipeError(f"prune.arms[{i}].amount: {arm.amount} heads requested, the model has {total}")
         dummy = [[0.0] * lay.num_heads for lay in layouts]
         try:
-            select_heads(dummy, arm.amount, layouts=layouts, mode=arm.mode, min_heads_per_layer=arm.min_heads_per_layer)
+            select_heads(
+                dummy,
+                arm.amount,
+                layouts=layouts,
+                mode=arm.mode,
+                layout=arm.layout,
+                min_heads_per_layer=arm.min_heads_per_layer,
+            )
         except ValueError as err:
             raise RecipeError(f"prune.arms[{i}].amount: {_first_line(err)}") from None
     return layouts

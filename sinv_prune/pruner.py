@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from sinv_prune.criteria import Criterion, Scores, TraceLike, criterion_class, get_criterion
-from sinv_prune.selection import MODES, model_layouts, select_heads
+from sinv_prune.selection import DEFAULT_LAYOUT, MODES, check_layout, model_layouts, select_heads
 from sinv_prune.surgery import PruneSummary, prune_heads
 
 
@@ -18,24 +18,27 @@ class HeadPruner:
 
     ``criterion`` is a registered name (built with ``criterion_options``; a criterion
     taking a ``seed`` gets the pruner's ``seed`` unless the options set one) or a
-    :class:`~sinv_prune.criteria.Criterion` instance. ``amount``, ``mode``,
+    :class:`~sinv_prune.criteria.Criterion` instance. ``amount``, ``mode``, ``layout``,
     ``min_heads_per_layer``, ``seed`` and ``exact`` mean what they mean in
     :func:`~sinv_prune.selection.select_heads`; ``min_heads_per_layer=0`` lets layers
-    lose every head. After a call, ``last_scores``, ``last_selection`` and ``report()``
-    tell what was decided.
+    lose every head (``prune`` then passes ``allow_empty_layers=True``; a recipe asks for
+    that with ``prune.allow_empty_layers: true``). After a call, ``last_scores``,
+    ``last_selection`` and ``report()`` tell what was decided.
 
-    >>> pruner = HeadPruner("taylor", 0.25, mode="uniform")
+    >>> pruner = HeadPruner("taylor", 0.25, mode="uniform", layout="q_per_group")
     >>> summary = pruner.prune(model, batches=loader)
 
-    The same in a recipe:
+    The same as a recipe arm:
 
     .. code-block:: yaml
 
         prune:
-          criterion: taylor
-          amount: 0.25
-          mode: uniform
-          min_heads_per_layer: 1
+          arms:
+            - criterion: taylor
+              amount: 0.25
+              mode: uniform
+              layout: q_per_group
+              min_heads_per_layer: 1
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class HeadPruner:
         amount: int | float,
         *,
         mode: str = "global",
+        layout: str = DEFAULT_LAYOUT,
         min_heads_per_layer: int = 1,
         seed: int = 0,
         exact: bool = False,
@@ -51,6 +55,7 @@ class HeadPruner:
     ):
         if mode not in MODES:
             raise ValueError(f"unknown selection mode {mode!r}; choose one of {', '.join(MODES)}")
+        check_layout(layout)
         if isinstance(criterion, str):
             options = dict(criterion_options or {})
             if "seed" in inspect.signature(criterion_class(criterion)).parameters:
@@ -63,6 +68,7 @@ class HeadPruner:
         self.criterion = criterion
         self.amount = amount
         self.mode = mode
+        self.layout = layout
         self.min_heads_per_layer = min_heads_per_layer
         self.seed = seed
         self.exact = exact
@@ -92,6 +98,7 @@ class HeadPruner:
             self.amount,
             layouts=model_layouts(model),
             mode=self.mode,
+            layout=self.layout,
             min_heads_per_layer=self.min_heads_per_layer,
             seed=self.seed,
             exact=self.exact,
@@ -112,6 +119,7 @@ class HeadPruner:
             "criterion_report": self.criterion.report(),
             "amount": self.amount,
             "mode": self.mode,
+            "layout": self.layout,
             "min_heads_per_layer": self.min_heads_per_layer,
             "seed": self.seed,
             "selection": {str(k): v for k, v in (self.last_selection or {}).items()},
@@ -119,6 +127,6 @@ class HeadPruner:
 
     def __repr__(self) -> str:
         return (
-            f"HeadPruner({self.criterion!r}, amount={self.amount!r}, mode={self.mode!r}, "
+            f"HeadPruner({self.criterion!r}, amount={self.amount!r}, mode={self.mode!r}, layout={self.layout!r}, "
             f"min_heads_per_layer={self.min_heads_per_layer}, seed={self.seed})"
         )

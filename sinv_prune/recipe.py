@@ -172,11 +172,19 @@ class ScoreSpec(Strict):
 
 
 class ArmSpec(Strict):
+    """One pruning arm: a criterion and the selection options of :func:`sinv_prune.select_heads`.
+
+    ``layout`` (GQA models only): ``q_per_group`` (default; every KV group stays, each loses the
+    same number of query heads), ``kv_groups`` (whole KV groups go) or ``auto`` (the cheapest of
+    either). ``min_heads_per_layer: 0`` also needs ``prune.allow_empty_layers: true``.
+    """
+
     name: str | None = None
     criterion: str
     options: dict[str, Any] = Field(default_factory=dict)
     amount: float | int
     mode: Literal["global", "per_layer", "uniform"] = "global"
+    layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
     min_heads_per_layer: int = Field(1, ge=0)
     seed: int = 0
 
@@ -191,7 +199,9 @@ class ArmSpec(Strict):
 
     @property
     def label(self) -> str:
-        return self.name or f"{self.criterion}-{self.amount}-{self.mode}"
+        default = type(self).model_fields["layout"].default
+        layout = "" if self.layout == default else f"-{self.layout}"
+        return self.name or f"{self.criterion}-{self.amount}-{self.mode}{layout}"
 
 
 class PruneSpec(Strict):

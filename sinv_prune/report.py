@@ -32,9 +32,8 @@ def summary_rows(results: dict) -> list[dict]:
     base = results["baseline"]
     rows = [_row("baseline", "-", 0, base, None, base)]
     for arm in results["arms"]:
-        rows.append(
-            _row(arm["name"], arm["criterion"], arm["heads_removed"], arm["pruned"], arm.get("finetuned"), base)
-        )
+        row = _row(arm["name"], arm["criterion"], arm["heads_removed"], arm["pruned"], arm.get("finetuned"), base)
+        rows.append(row | {"layout": arm.get("layout")})
     return rows
 
 
@@ -44,6 +43,7 @@ def _row(name, criterion, removed, pruned, tuned, base) -> dict:
     return {
         "arm": name,
         "criterion": criterion,
+        "layout": None,  # the arm's GQA layout (selection), set by summary_rows
         "heads removed": removed,
         "params": pruned["params"],
         "params %": 100.0 * pruned["params"] / base["params"],

@@ -16,16 +16,37 @@
    removes; for each number of removed heads the layer keeps its cheapest configuration.
    ``min_heads_per_layer`` drops configurations keeping fewer heads (0 allows emptying a
    layer, which ``prune_heads`` then needs ``allow_empty_layers=True`` for).
+   ``layout`` restricts the configurations (in layers with GQA, ``g > 1``):
+
+   * ``"q_per_group"`` (default): every KV group stays (``s == G``) and loses the same number
+     of query heads; the KV heads, K/V weights and KV cache are untouched.
+   * ``"kv_groups"``: whole KV groups go (``c == g``), with their K/V weights and cache.
+   * ``"auto"``: any valid ``(s, c)``, the cheapest by rank.
+
+   Without GQA (``g = 1``) a query head is its own KV group and the three are the same thing.
 3. **Amount.** ``global`` / ``per_layer``: a knapsack over layers (dynamic programming)
    picks one configuration per layer removing exactly the requested number of heads at the
    least total cost. Without GQA this is exactly "the lowest-ranked heads, skipping layers
    at their minimum". ``uniform``: one ``(s, c)`` for every layer, so all layers end with the
    same head and KV-head counts (LLaMA-family checkpoints then reload on stock classes).
 
-When the exact amount cannot be met (GQA granularity, or ``uniform`` needing a multiple of
-the layer count), the largest achievable number **not exceeding** the amount is removed and
-a warning is logged; ``exact=True`` raises instead. A ``ValueError`` is raised for an amount
-beyond the heads that may be removed, or when nothing at all can be removed within it.
+When the exact amount cannot be met (GQA granularity, the layout, or ``uniform`` needing a
+multiple of the layer count), the largest achievable number **not exceeding** the amount is
+removed and a warning is logged; ``exact=True`` raises instead. A ``ValueError`` (naming the
+layout) is raised for an amount beyond the heads that may be removed, or when nothing at all
+can be removed within it.
+
+Why ``q_per_group`` is the default in every mode: under ``auto`` the criterion decides the
+shape as well as the heads. Criteria that score a group's heads alike (``magnitude`` sums
+weights that include the shared K/V) make a whole group the cheapest cut, others make one query
+head per group the cheapest, so two arms with the same amount and mode would differ in
+parameters, KV cache and kind of damage (SmolLM2, uniform 90: 30 KV heads removed for
+magnitude, none for taylor). That confound is as real for ``global`` / ``per_layer`` as for
+``uniform``, and a default that changed with the mode would change an arm's shape when only its
+distribution over layers was meant to change; so the default is the same everywhere, and the
+one that keeps every KV head (what weight compensation within a group needs). ``auto`` (finest
+granularity: a SmolLM2 layer may lose 3, 5, 6, 7 or 8 heads instead of 3 or 6) and
+``kv_groups`` (a smaller KV cache) are explicit choices.
 """
 
 from __future__ import annotations
@@ -46,6 +67,8 @@ from sinv_prune.arch import HeadLayout, get_adapter
 logger = logging.getLogger(__name__)
 
 MODES = ("global", "per_layer", "uniform")
+LAYOUTS = ("q_per_group", "kv_groups", "auto")
+DEFAULT_LAYOUT = "q_per_group"
 _INF = np.int64(2**62)
 
 
@@ -67,6 +90,7 @@ def select_heads(
     *,
     layouts: Sequence[HeadLayout] | nn.Module,
     mode: str = "global",
+    layout: str = DEFAULT_LAYOUT,
     min_heads_per_layer: int = 1,
     seed: int = 0,
     exact: bool = False,
@@ -79,6 +103,7 @@ def select_heads(
             (rounded half up).
         layouts: each layer's :class:`~sinv_prune.arch.HeadLayout`, or the model itself.
         mode: ``"global"``, ``"per_layer"`` or ``"uniform"`` (see the module docstring).
+        layout: ``"q_per_group"``, ``"kv_groups"`` or ``"auto"``: which GQA cuts are allowed (see above).
         min_heads_per_layer: heads every layer keeps at least (layers already below keep theirs).
         seed: orders equal scores; the same inputs and seed give the same result.
         exact: raise instead of removing fewer heads when the amount cannot be met exactly.
@@ -87,6 +112,7 @@ def select_heads(
         layouts = model_layouts(layouts)
     if mode not in MODES:
         raise ValueError(f"unknown selection mode {mode!r}; choose one of {', '.join(MODES)}")
+    check_layout(layout)
     min_heads = _nonnegative(min_heads_per_layer, "min_heads_per_layer")
     rows = _check_scores(scores, layouts)
     total = sum(len(r) for r in rows)
@@ -94,20 +120,26 @@ def select_heads(
     if wanted == 0:
         return {}
     ranks = _ranks(rows, mode, seed)
-    configs = [_configs(r, lay, min_heads) for r, lay in zip(ranks, layouts, strict=True)]
+    configs = [_configs(r, lay, min_heads, layout) for r, lay in zip(ranks, layouts, strict=True)]
+    where = _where(layouts, layout, min_heads)
     if mode == "uniform":
-        chosen = _uniform(configs, layouts, wanted, min_heads)
+        chosen = _uniform(configs, layouts, wanted, where)
     else:
-        chosen = _knapsack([_by_removed(c, lay.num_heads) for c, lay in zip(configs, layouts, strict=True)], wanted)
+        options = [_by_removed(c, lay.num_heads) for c, lay in zip(configs, layouts, strict=True)]
+        chosen = _knapsack(options, wanted, where)
     got = sum(lay.num_heads - cfg.groups * cfg.per_group for cfg, lay in zip(chosen, layouts, strict=True))
     if got != wanted:
         if exact or got == 0:
             raise ValueError(
-                f"cannot remove exactly {wanted} heads in mode {mode!r} with min_heads_per_layer={min_heads}"
-                + (f" (GQA groups: {_describe(layouts)})" if any(lay.group_size > 1 for lay in layouts) else "")
+                f"cannot remove exactly {wanted} heads in mode {mode!r} {where}"
                 + (f"; the nearest achievable below is {got}" if got else "; no smaller removal is possible either")
             )
-        logger.warning("sinv_prune: %d heads requested, %d removed (nearest achievable not exceeding)", wanted, got)
+        logger.warning(
+            "sinv_prune: %d heads requested, %d removed (nearest achievable not exceeding, layout %r)",
+            wanted,
+            got,
+            layout,
+        )
     out = {}
     for layer, (r, lay, cfg) in enumerate(zip(ranks, layouts, chosen, strict=True)):
         removed = _removed(r, lay, cfg)
@@ -117,6 +149,13 @@ def select_heads(
 
 
 # -- inputs -------------------------------------------------------------------------------
+
+
+def check_layout(layout: str) -> str:
+    """``layout`` if it is one of :data:`LAYOUTS`, else a ``ValueError`` listing them."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown selection layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    return layout
 
 
 def _nonnegative(value, what: str) -> int:
@@ -159,7 +198,16 @@ def _check_scores(scores, layouts) -> list[list[float]]:
 
 
 def _describe(layouts) -> str:
-    return ", ".join(f"{lay.num_kv_heads}x{lay.group_size}" for lay in layouts)
+    """``KV groups x group size`` per layer, once when every layer is alike."""
+    shapes = [f"{lay.num_kv_heads}x{lay.group_size}" for lay in layouts]
+    return f"{len(shapes)} layers of {shapes[0]}" if len(set(shapes)) == 1 and len(shapes) > 1 else ", ".join(shapes)
+
+
+def _where(layouts, layout: str, min_heads: int) -> str:
+    """The constraints an amount failed against, for error messages (the layout only matters with GQA)."""
+    if any(lay.group_size > 1 for lay in layouts):
+        return f"with layout {layout!r} and min_heads_per_layer={min_heads} (GQA groups: {_describe(layouts)})"
+    return f"with min_heads_per_layer={min_heads}"
 
 
 # -- ranking ------------------------------------------------------------------------------
@@ -200,21 +248,26 @@ def _survivors(ranks: list[int], groups: list[list[int]], c: int) -> list[int]:
     return sorted(range(len(groups)), key=lambda k: (-top[k], k))
 
 
-def _configs(ranks: list[int], layout: HeadLayout, min_heads: int) -> dict[tuple[int, int], _Config]:
-    """Every valid kept configuration ``(s, c)`` of one layer with its cost (sum of removed ranks)."""
+def _configs(ranks: list[int], layout: HeadLayout, min_heads: int, shape: str) -> dict[tuple[int, int], _Config]:
+    """Every kept configuration ``(s, c)`` of one layer valid in ``shape``, with its cost (sum of removed ranks)."""
     heads, total = layout.num_heads, sum(ranks)
     keep_all = (layout.num_kv_heads, layout.group_size)
     out = {keep_all: _Config(0, *keep_all)}
     if heads == 0:
         return out
+    gqa = layout.group_size > 1
     groups = _groups(ranks, layout)
     for c in range(1, layout.group_size + 1):
+        if shape == "kv_groups" and c != layout.group_size:
+            continue
         kept = 0
         for s, k in enumerate(_survivors(ranks, groups, c), start=1):
             kept += sum(ranks[h] for h in groups[k][:c])
+            if shape == "q_per_group" and gqa and s != layout.num_kv_heads:
+                continue
             if s * c >= min_heads:
                 out[s, c] = _Config(total - kept, s, c)
-    if min_heads == 0:
+    if min_heads == 0 and not (shape == "q_per_group" and gqa):
         out[0, 0] = _Config(total, 0, 0)
     return out
 
@@ -243,14 +296,11 @@ def _removed(ranks: list[int], layout: HeadLayout, cfg: _Config) -> list[int]:
 # -- across layers ------------------------------------------------------------------------
 
 
-def _knapsack(options: list[dict[int, _Config]], wanted: int) -> list[_Config]:
+def _knapsack(options: list[dict[int, _Config]], wanted: int, where: str) -> list[_Config]:
     """One configuration per layer removing the most heads ``<= wanted``, at the least cost."""
     most = sum(max(opts) for opts in options)
     if most < wanted:
-        raise ValueError(
-            f"amount {wanted} is larger than the {most} heads that may be removed "
-            "(min_heads_per_layer and GQA groups limit each layer)"
-        )
+        raise ValueError(f"amount {wanted} is larger than the {most} heads that may be removed {where}")
     best = np.full(wanted + 1, _INF, dtype=np.int64)
     best[0] = 0
     picks = []
@@ -273,11 +323,11 @@ def _knapsack(options: list[dict[int, _Config]], wanted: int) -> list[_Config]:
     return chosen[::-1]
 
 
-def _uniform(configs: list[dict], layouts: Sequence[HeadLayout], wanted: int, min_heads: int) -> list[_Config]:
+def _uniform(configs: list[dict], layouts: Sequence[HeadLayout], wanted: int, where: str) -> list[_Config]:
     """The same ``(s, c)`` in every layer: the largest removal ``<= wanted``, then the least cost."""
     common = set.intersection(*(set(c) for c in configs))
     if not common:
-        raise ValueError(f"uniform: no head configuration is valid in every layer (GQA groups: {_describe(layouts)})")
+        raise ValueError(f"uniform: no head configuration is valid in every layer {where}")
     heads = sum(lay.num_heads for lay in layouts)
     scored = []
     for key in sorted(common):
@@ -286,12 +336,9 @@ def _uniform(configs: list[dict], layouts: Sequence[HeadLayout], wanted: int, mi
         scored.append((removed, cost, key))
     most = max(r for r, _, _ in scored)
     if most < wanted:
-        raise ValueError(
-            f"uniform: amount {wanted} is larger than the {most} heads that may be removed "
-            f"with min_heads_per_layer={min_heads}"
-        )
+        raise ValueError(f"uniform: amount {wanted} is larger than the {most} heads that may be removed {where}")
     fitting = [s for s in scored if s[0] <= wanted]
     if not fitting:
-        raise ValueError(f"uniform: no removal of at most {wanted} heads leaves every layer alike")
+        raise ValueError(f"uniform: no removal of at most {wanted} heads leaves every layer alike {where}")
     removed, _, key = max(fitting, key=lambda s: (s[0], -s[1]))
     return [c[key] for c in configs]

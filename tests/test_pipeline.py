@@ -85,6 +85,17 @@ def test_each_arm_reloads_with_the_claimed_parameter_count(finished_run):
         assert removed == {int(k): v for k, v in arm["removed"].items()}
 
 
+def test_arms_report_their_layout(finished_run):
+    out, _ = finished_run
+    results = json.loads((out / "results.json").read_text())
+    assert [a["layout"] for a in results["arms"]] == ["q_per_group"] * len(results["arms"])  # the default
+    lines = (out / "report.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| arm "))
+    column = [c.strip() for c in header.split("|")].index("layout")
+    rows = [[c.strip() for c in line.split("|")] for line in lines if line.startswith("| ") and "-global" in line]
+    assert len(rows) == len(results["arms"]) and all(r[column] == "q_per_group" for r in rows)
+
+
 def test_resume_after_interruption_gives_the_same_results(finished_run, tmp_path, monkeypatch):
     out_full, _ = finished_run
     recipe = validate_recipe(TINY)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import copy
 import json
+import textwrap
 
 import pytest
 import torch
+import yaml
 from conftest import model_inputs, model_output, tiny_model
 
 from sinv_prune import head_gates, head_measures
 from sinv_prune.criteria import Criterion, RandomCriterion
 from sinv_prune.pruner import HeadPruner
+from sinv_prune.recipe import validate_recipe
 from sinv_prune.selection import model_layouts
 
 
@@ -55,7 +58,7 @@ def test_sinv_early_through_the_pruner():
     cq = head_measures(model, keys=["C_Q"])["C_Q"]
     cq[1][3:6] = [0.01, 0.02, 0.03]  # the heads of one KV group "converged" early
     trace = [{"step": 0, "epoch": 1.0, "C_Q": cq}]
-    pruner = HeadPruner("sinv_early", 3, criterion_options={"threshold": 0.05})
+    pruner = HeadPruner("sinv_early", 3, layout="kv_groups", criterion_options={"threshold": 0.05})
     pruner.prune(model, trace=trace)
     assert pruner.last_selection == {1: [3, 4, 5]}
     assert pruner.report()["criterion_report"]["crossed"] == 3
@@ -73,6 +76,8 @@ def test_criterion_by_name_instance_and_seed():
         HeadPruner(RandomCriterion(), 3, criterion_options={"seed": 1})
     with pytest.raises(ValueError, match="unknown selection mode"):
         HeadPruner("random", 3, mode="local")
+    with pytest.raises(ValueError, match="unknown selection layout 'groups'; choose one of q_per_group"):
+        HeadPruner("random", 3, layout="groups")
     with pytest.raises(ValueError, match="needs data"):
         HeadPruner("taylor", 3).prune(model)
 
@@ -92,3 +97,41 @@ def test_min_heads_zero_may_empty_layers():
     assert pruner.last_selection == {1: [0, 1, 2, 3]}
     inputs = model_inputs(3)
     torch.testing.assert_close(model_output(model, inputs), masked_output(reference, pruner.last_selection, inputs))
+
+
+class GroupAlike(Criterion):
+    """Scores a KV group's heads alike (as magnitude does), so a whole group is the cheapest cut."""
+
+    def scores(self, model):
+        return [[float(h // lay.group_size) + 0.01 * h for h in range(lay.num_heads)] for lay in model_layouts(model)]
+
+
+@pytest.mark.parametrize(
+    ("layout", "amount", "kept"),
+    [(None, 6, (4, 2)), ("q_per_group", 6, (4, 2)), ("kv_groups", 9, (3, 1)), ("auto", 9, (3, 1))],
+)
+def test_layout_passes_through(layout, amount, kept):
+    model = tiny_model("llama")  # 3 layers, 2 KV groups of 3 query heads
+    pruner = HeadPruner(GroupAlike(), amount, mode="uniform", **({"layout": layout} if layout else {}))
+    pruner.prune(model)
+    assert {(lay.num_heads, lay.num_kv_heads) for lay in model_layouts(model)} == {kept}
+    assert pruner.report()["layout"] == (layout or "q_per_group")
+    assert f"layout={pruner.layout!r}" in repr(pruner)
+
+
+def test_docstring_recipe_is_a_valid_arm_of_the_example():
+    """The YAML in HeadPruner's docstring parses with the recipe schema and says what its Python example says."""
+    doc = textwrap.dedent(HeadPruner.__doc__.split("\n", 1)[1])
+    block = doc.split(".. code-block:: yaml", 1)[1]
+    fragment = yaml.safe_load(textwrap.dedent(block))
+    recipe = validate_recipe({"model": {"path": "some/model"}, "data": {"synthetic": {}}, **fragment})
+    (arm,) = recipe.prune.arms
+    example = next(line for line in doc.splitlines() if line.startswith(">>> pruner = "))
+    pruner = eval(example.split("=", 1)[1], {"HeadPruner": HeadPruner})  # noqa: S307 - our own docstring
+    assert (arm.criterion, arm.amount, arm.mode, arm.layout, arm.min_heads_per_layer) == (
+        pruner.criterion.name,
+        pruner.amount,
+        pruner.mode,
+        pruner.layout,
+        pruner.min_heads_per_layer,
+    )

@@ -19,30 +19,34 @@ from sinv_prune.surgery import plan_removal
 # -- an independent oracle: brute force over every subset of heads ------------------------
 
 
-def valid_kept(layout: HeadLayout, kept: frozenset, min_heads: int) -> bool:
-    """The GQA rule of prune_heads, written out: kept groups all keep the same count."""
+def valid_kept(layout: HeadLayout, kept: frozenset, min_heads: int, shape: str = "auto") -> bool:
+    """The GQA rule of prune_heads, written out: kept groups all keep the same count; plus the layout's rule."""
     if len(kept) == layout.num_heads:
         return True  # untouched
     if len(kept) < min_heads:
         return False
     sizes = [sum(1 for h in kept if h // layout.group_size == k) for k in range(layout.num_kv_heads)]
+    if layout.group_size > 1 and shape == "q_per_group" and 0 in sizes:
+        return False  # every KV group stays
+    if layout.group_size > 1 and shape == "kv_groups" and any(0 < n < layout.group_size for n in sizes):
+        return False  # groups go whole or not at all
     return len({s for s in sizes if s}) <= 1
 
 
-def layer_outcomes(layout: HeadLayout, min_heads: int) -> set[tuple[int, int]]:
+def layer_outcomes(layout: HeadLayout, min_heads: int, shape: str) -> set[tuple[int, int]]:
     """Every reachable (kept heads, kept KV heads) of one layer."""
     out = set()
     for n in range(layout.num_heads + 1):
         for kept in itertools.combinations(range(layout.num_heads), n):
-            if valid_kept(layout, frozenset(kept), min_heads):
+            if valid_kept(layout, frozenset(kept), min_heads, shape):
                 g = layout.group_size
                 out.add((n, len({h // g for h in kept})))
     return out
 
 
-def expected_count(layouts, wanted: int, mode: str, min_heads: int) -> int | None:
+def expected_count(layouts, wanted: int, mode: str, min_heads: int, shape: str) -> int | None:
     """Heads the selection must remove, or None where it must raise."""
-    outcomes = [layer_outcomes(lay, min_heads) for lay in layouts]
+    outcomes = [layer_outcomes(lay, min_heads, shape) for lay in layouts]
     if mode == "uniform":
         common = set.intersection(*outcomes)
         totals = {sum(lay.num_heads for lay in layouts) - len(layouts) * k for k, _ in common}
@@ -87,6 +91,7 @@ def problems(draw):
         amount=amount,
         layouts=layouts,
         mode=draw(st.sampled_from(["global", "per_layer", "uniform"])),
+        layout=draw(st.sampled_from(["q_per_group", "kv_groups", "auto"])),
         min_heads_per_layer=draw(st.integers(0, 3)),
         seed=draw(st.integers(0, 3)),
     )
@@ -99,7 +104,7 @@ def test_selection_honours_every_constraint(problem):
     total = sum(lay.num_heads for lay in layouts)
     amount = problem["amount"]
     wanted = math.floor(amount * total + 0.5) if isinstance(amount, float) else amount
-    expected = expected_count(layouts, wanted, problem["mode"], min_heads)
+    expected = expected_count(layouts, wanted, problem["mode"], min_heads, problem["layout"])
     if expected is None:
         with pytest.raises(ValueError):
             select_heads(**problem)
@@ -115,7 +120,7 @@ def test_selection_honours_every_constraint(problem):
     for layer, lay in enumerate(layouts):
         removed = set(result.get(layer, []))
         heads = frozenset(h for h in range(lay.num_heads) if h not in removed)
-        assert valid_kept(lay, heads, min_heads)
+        assert valid_kept(lay, heads, min_heads, problem["layout"])
         kept[layer] = (len(heads), len({h // lay.group_size for h in heads}))
         # Inside a KV group that keeps heads, no removed head outscores a kept one.
         for k in range(lay.num_kv_heads):
@@ -159,26 +164,90 @@ def test_per_layer_spreads_removals():
 
 def test_gqa_trims_each_group_or_drops_one():
     scores = [[0.1, 0.9, 0.8, 0.2, 0.7, 0.6]]
-    assert select_heads(scores, 2, layouts=[GQA]) == {0: [0, 3]}  # weakest head of each group
-    assert select_heads(scores, 3, layouts=[GQA]) == {0: [3, 4, 5]}  # drop the weaker group
+    auto = {"layouts": [GQA], "layout": "auto"}
+    assert select_heads(scores, 2, **auto) == {0: [0, 3]}  # weakest head of each group
+    assert select_heads(scores, 3, **auto) == {0: [3, 4, 5]}  # drop the weaker group
     # 4: keeping one group's best two (ranks 5, 4) beats each group's best one (ranks 5, 3).
-    assert select_heads(scores, 4, layouts=[GQA]) == {0: [0, 3, 4, 5]}
+    assert select_heads(scores, 4, **auto) == {0: [0, 3, 4, 5]}
     with pytest.raises(ValueError, match="cannot remove exactly 1"):
-        select_heads(scores, 1, layouts=[GQA])  # 5 heads cannot split into equal groups
+        select_heads(scores, 1, **auto)  # 5 heads cannot split into equal groups
     with pytest.raises(ValueError, match="cannot remove exactly 3"):
-        select_heads([[0.1] * 6] * 2, 3, layouts=[GQA, GQA], mode="uniform")
+        select_heads([[0.1] * 6] * 2, 3, layouts=[GQA, GQA], mode="uniform", layout="auto")
 
 
 def test_nearest_not_exceeding_and_exact():
     scores = [[0.1, 0.9, 0.8, 0.2, 0.7, 0.6]] * 2
     # 2 groups of 4 keep 8, 6, 4, 3, 2 or 1 heads: removing 3 is impossible, 2 is the nearest below.
     wide = [HeadLayout(8, 2, 8)]
-    assert select_heads([[0.1, 0.9, 0.8, 0.5, 0.2, 0.7, 0.6, 0.4]], 3, layouts=wide) == {0: [0, 4]}
+    auto = {"layout": "auto"}
+    assert select_heads([[0.1, 0.9, 0.8, 0.5, 0.2, 0.7, 0.6, 0.4]], 3, layouts=wide, **auto) == {0: [0, 4]}
     with pytest.raises(ValueError, match="nearest achievable below is 2"):
-        select_heads([[0.5] * 8], 3, layouts=wide, exact=True)
-    assert sum(map(len, select_heads(scores, 9, layouts=[GQA, GQA], mode="uniform").values())) == 8
+        select_heads([[0.5] * 8], 3, layouts=wide, exact=True, **auto)
+    assert sum(map(len, select_heads(scores, 9, layouts=[GQA, GQA], mode="uniform", **auto).values())) == 8
     with pytest.raises(ValueError, match="nearest achievable below is 8"):
-        select_heads(scores, 9, layouts=[GQA, GQA], mode="uniform", exact=True)
+        select_heads(scores, 9, layouts=[GQA, GQA], mode="uniform", exact=True, **auto)
+
+
+# -- layouts: which GQA cuts are allowed ----------------------------------------------------
+
+SMOL = HeadLayout(9, 3, 64)  # SmolLM2: 3 KV groups of 3 query heads
+
+
+def group_alike_scores(layers: int) -> list[list[float]]:
+    """Scores where a group's heads score alike (as magnitude's do): layer l's group l % 3 is the weakest."""
+    rows = []
+    for layer in range(layers):
+        weak = layer % 3
+        rows.append([(0.1 if h // 3 == weak else 0.5 + 0.1 * (h // 3)) + 0.01 * (h % 3) for h in range(9)])
+    return rows
+
+
+def test_uniform_default_removes_one_query_head_per_group():
+    scores = group_alike_scores(4)
+    layouts = [SMOL] * 4
+    default = select_heads(scores, 12, layouts=layouts, mode="uniform")
+    assert default == {layer: [0, 3, 6] for layer in range(4)}  # each group's weakest head; every KV group stays
+    assert default == select_heads(scores, 12, layouts=layouts, mode="uniform", layout="q_per_group")
+    whole = {layer: [3 * (layer % 3), 3 * (layer % 3) + 1, 3 * (layer % 3) + 2] for layer in range(4)}
+    assert select_heads(scores, 12, layouts=layouts, mode="uniform", layout="kv_groups") == whole
+    assert select_heads(scores, 12, layouts=layouts, mode="uniform", layout="auto") == whole  # the cheapest cut
+
+
+@pytest.mark.parametrize("mode", ["global", "per_layer"])
+def test_layout_constrains_global_and_per_layer(mode):
+    scores = group_alike_scores(4)
+    layouts = [SMOL] * 4
+    for layout, whole_groups in (("q_per_group", False), ("kv_groups", True)):
+        result = select_heads(scores, 12, layouts=layouts, mode=mode, layout=layout)
+        assert sum(map(len, result.values())) == 12
+        for heads in result.values():
+            per_group = [sum(1 for h in heads if h // 3 == k) for k in range(3)]
+            assert all(n in (0, 3) for n in per_group) if whole_groups else max(per_group) < 3
+
+
+def test_layouts_are_one_thing_without_gqa():
+    layouts = [HeadLayout(4, 4, 8)] * 3
+    scores = [[0.9, 0.1, 0.8, 0.7], [0.2, 0.95, 0.3, 0.85], [0.6, 0.5, 0.4, 0.99]]
+    for mode in ("global", "per_layer", "uniform"):
+        for min_heads in (0, 1):
+            results = [select_heads(scores, 6, layouts=layouts, mode=mode, layout=layout, min_heads_per_layer=min_heads)
+                       for layout in ("q_per_group", "kv_groups", "auto")]  # fmt: skip
+            assert results[0] == results[1] == results[2] and results[0]
+
+
+def test_layout_errors_name_the_layout():
+    layouts = [SMOL] * 2
+    scores = group_alike_scores(2)
+    with pytest.raises(ValueError, match="cannot remove exactly 4 heads in mode 'uniform' with layout 'q_per_group'"):
+        select_heads(scores, 4, layouts=layouts, mode="uniform", exact=True)
+    # Every KV group stays, so even min_heads_per_layer=0 leaves 3 heads a layer.
+    with pytest.raises(ValueError, match="larger than the 12 heads that may be removed with layout 'q_per_group'"):
+        select_heads(scores, 14, layouts=layouts, min_heads_per_layer=0)
+    assert sum(map(len, select_heads(scores, 14, layouts=layouts, min_heads_per_layer=0, layout="auto").values())) == 14
+    with pytest.raises(ValueError, match="uniform: amount 14 .* with layout 'kv_groups'"):
+        select_heads(scores, 14, layouts=layouts, mode="uniform", layout="kv_groups")
+    with pytest.raises(ValueError, match="unknown selection layout 'groups'; choose one of q_per_group, kv_groups"):
+        select_heads(scores, 3, layouts=layouts, layout="groups")
 
 
 def test_min_heads_and_amount_errors():
