@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -67,29 +68,101 @@ def prune_heads(
     has them now. Under grouped-query attention every KV group that keeps heads must
     keep the same number, and a KV head goes when all of its query heads go.
     ``allow_empty_layers=True`` permits removing every head of a layer; the attention
-    block then contributes only its output bias. Invalid requests raise
-    ``ValueError`` before anything changes. The config records the removed heads in
-    the original numbering, so ``save_pretrained`` writes a checkpoint that reloads.
+    block then contributes only its output bias. Invalid requests, quantized models and
+    models with weights on the ``meta`` device (offloaded, or built under
+    ``init_empty_weights``) raise ``ValueError`` before anything changes; any other
+    error part-way through restores the model (weights, sizes, forwards, class and
+    config) before it propagates. The config records the removed heads in the original
+    numbering, so ``save_pretrained`` writes a checkpoint that reloads.
     """
     from sinv_prune.checkpoint import finalize_checkpoint_format
 
     adapter = get_adapter(model)
+    refusal = unprunable_reason(model, adapter)
+    if refusal:
+        raise ValueError(f"cannot prune this model: {refusal}")
     plan = plan_removal(adapter, heads, allow_empty_layers=allow_empty_layers)
     if not plan:  # nothing to remove: leave class and config as they are
         params = count_parameters(model)
         return PruneSummary([], params, params)
-    record = get_record(model.config) or _fresh_record(model, adapter)
     before = count_parameters(model)
-    changes = []
-    for layer, (removed, keep_q, keep_kv) in plan.items():
-        kept_original = record.kept_heads(layer)
-        removed_original = [kept_original[h] for h in removed]
-        record.pruned_heads[layer] = sorted(set(record.pruned_heads.get(layer, [])) | set(removed_original))
-        apply_layer(adapter, layer, keep_q, keep_kv)
-        changes.append(LayerChange(layer, removed, removed_original, len(keep_q), len(keep_kv)))
-    set_record(model.config, record)
-    finalize_checkpoint_format(model, adapter, record)
+    snapshot = _Snapshot.take(model, adapter, plan)
+    try:
+        record = get_record(model.config) or _fresh_record(model, adapter)
+        changes = []
+        for layer, (removed, keep_q, keep_kv) in plan.items():
+            kept_original = record.kept_heads(layer)
+            removed_original = [kept_original[h] for h in removed]
+            record.pruned_heads[layer] = sorted(set(record.pruned_heads.get(layer, [])) | set(removed_original))
+            apply_layer(adapter, layer, keep_q, keep_kv)
+            changes.append(LayerChange(layer, removed, removed_original, len(keep_q), len(keep_kv)))
+        set_record(model.config, record)
+        finalize_checkpoint_format(model, adapter, record)
+    except BaseException:
+        snapshot.restore()
+        raise
     return PruneSummary(changes, before, count_parameters(model))
+
+
+def unprunable_reason(model: nn.Module, adapter: HeadAdapter) -> str | None:
+    """Why slicing ``model``'s heads would go wrong (quantized or unmaterialized weights), or None."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    quant_config = getattr(model.config, "quantization_config", None)
+    if quantizer is not None or quant_config is not None or getattr(model, "is_quantized", False):
+        method = _get(quant_config, "quant_method") or (type(quantizer).__name__ if quantizer else "unknown method")
+        return (
+            f"it is quantized ({getattr(method, 'value', method)}); prune the unquantized model "
+            "(GGUF files load as float models through sinv_prune.from_pretrained)"
+        )
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if tensor.device.type == "meta":
+            return f"{name} is on the meta device (offloaded or never loaded); load every weight onto a real device"
+    for layer in range(adapter.num_layers):
+        for module in adapter.touched_modules(layer):
+            for name, param in module.named_parameters():
+                if type(param) is not nn.Parameter or not param.dtype.is_floating_point:
+                    kind = f"{type(param).__name__} of dtype {str(param.dtype).removeprefix('torch.')}"
+                    return f"layer {layer}: {name} is a {kind}, not a floating-point nn.Parameter (quantized?)"
+    return None
+
+
+def _get(obj, key: str):
+    """``key`` of a dict or an attribute of an object (quantization configs come as either)."""
+    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+
+class _Snapshot:
+    """References to everything :func:`prune_heads` may replace, to undo a failed call.
+
+    Parameters are replaced, never written in place (see ``arch.base._replace``), so
+    keeping the old objects costs no copy. Per touched module (submodules included) it
+    keeps the attribute dict (sizes such as ``out_features``/``nf``, a replaced
+    ``forward``) and the parameter, buffer and child dicts; plus the model's class and
+    the config's attributes (head counts, record, ``architectures``, ``auto_map``).
+    """
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module]):
+        self.model, self.cls = model, type(model)
+        self.config = dict(vars(model.config))
+        self.modules = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in modules]
+
+    @classmethod
+    def take(cls, model: nn.Module, adapter: HeadAdapter, layers: Iterable[int]) -> _Snapshot:
+        modules = {id(m): m for layer in layers for top in adapter.touched_modules(layer) for m in top.modules()}
+        return cls(model, list(modules.values()))
+
+    def restore(self) -> None:
+        for module, attrs, params, buffers, children in self.modules:
+            _refill(vars(module), attrs)
+            for live, saved in ((module._parameters, params), (module._buffers, buffers), (module._modules, children)):
+                _refill(live, saved)
+        _refill(vars(self.model.config), self.config)
+        self.model.__class__ = self.cls
+
+
+def _refill(live: dict, saved: dict) -> None:
+    live.clear()
+    live.update(saved)
 
 
 def plan_removal(

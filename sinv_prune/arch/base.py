@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 from transformers.pytorch_utils import Conv1D
 
 
@@ -139,6 +140,14 @@ class HeadAdapter:
         raise NotImplementedError
 
     # -- shared -----------------------------------------------------------
+    def touched_modules(self, layer: int) -> list[nn.Module]:
+        """The modules (with their submodules) that ``slice_heads`` and ``empty_forward`` change.
+
+        :func:`~sinv_prune.prune_heads` checks their weights before slicing and restores
+        them if slicing fails; override when an adapter changes anything else.
+        """
+        return [self.attention(layer), self.out_proj(layer)]
+
     @property
     def num_layers(self) -> int:
         return len(self.layers())
@@ -149,8 +158,25 @@ class HeadAdapter:
         return heads, kv or heads
 
 
-def empty_cache_update(cache, layer_idx: int, hidden_states: torch.Tensor, head_dim: int, kwargs: dict) -> None:
-    """Advance a KV cache by zero-head keys/values so sequence lengths stay right."""
+#: Keyword names under which transformers hands an attention forward its KV cache: ``cache``
+#: (5.24), ``past_key_values`` (5.0 to 5.23), ``past_key_value`` and ``layer_past`` (4.x).
+CACHE_ARG_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def pop_cache(args: tuple, kwargs: dict) -> Cache | None:
+    """The KV cache passed to an attention forward, under any known name or positionally.
+
+    Every known cache keyword is removed from ``kwargs``; a positional argument counts
+    when it is a :class:`~transformers.cache_utils.Cache`.
+    """
+    found = [kwargs.pop(name) for name in CACHE_ARG_NAMES if name in kwargs]
+    found += [a for a in args if isinstance(a, Cache)]
+    return next((c for c in found if c is not None), None)
+
+
+def empty_cache_update(layer_idx: int, hidden_states: torch.Tensor, head_dim: int, args: tuple, kwargs: dict) -> None:
+    """Advance the KV cache given to an empty attention forward so sequence lengths stay right."""
+    cache = pop_cache(args, kwargs)
     if cache is None:
         return
     if hasattr(cache, "self_attention_cache"):
@@ -160,4 +186,6 @@ def empty_cache_update(cache, layer_idx: int, hidden_states: torch.Tensor, head_
     # sequence length of 0 (DynamicLayer.get_seq_length), which breaks positions and masks when
     # the empty layer is layer 0, the one generate() asks for the cached length.
     empty = hidden_states.new_zeros(batch, 1, seq, head_dim)
-    cache.update(empty, empty, layer_idx, kwargs=kwargs)
+    # transformers 5.0 to 5.3 take a positional dict of cache kwargs (a StaticCache reads
+    # cache_position there); later versions accept and ignore extra positional arguments.
+    cache.update(empty, empty, layer_idx, {"cache_position": kwargs.get("cache_position")})

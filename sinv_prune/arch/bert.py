@@ -59,8 +59,8 @@ class BertAdapter(HeadAdapter):
     def empty_forward(self, layer):
         attn = self.attention(layer)
 
-        def forward(hidden_states, *args, cache=None, **kwargs):
-            empty_cache_update(cache, attn.layer_idx, hidden_states, attn.attention_head_size, kwargs)
+        def forward(hidden_states, *args, **kwargs):
+            empty_cache_update(attn.layer_idx, hidden_states, attn.attention_head_size, args, kwargs)
             return hidden_states.new_zeros(*hidden_states.shape[:-1], 0), None
 
         return forward

@@ -58,8 +58,8 @@ class GPT2Adapter(HeadAdapter):
     def empty_forward(self, layer):
         attn = self.attention(layer)
 
-        def forward(hidden_states, *args, cache=None, **kwargs):
-            empty_cache_update(cache, attn.layer_idx, hidden_states, attn.head_dim, kwargs)
+        def forward(hidden_states, *args, **kwargs):
+            empty_cache_update(attn.layer_idx, hidden_states, attn.head_dim, args, kwargs)
             # Conv1D cannot take a zero-width input; with no heads its output is its bias.
             out = attn.c_proj.bias.expand(*hidden_states.shape[:-1], attn.c_proj.nf)
             return attn.resid_dropout(out), None

@@ -60,8 +60,8 @@ class LlamaAdapter(HeadAdapter):
     def empty_forward(self, layer):
         attn = self.attention(layer)
 
-        def forward(hidden_states, *args, cache=None, **kwargs):
-            empty_cache_update(cache, attn.layer_idx, hidden_states, attn.head_dim, kwargs)
+        def forward(hidden_states, *args, **kwargs):
+            empty_cache_update(attn.layer_idx, hidden_states, attn.head_dim, args, kwargs)
             return attn.o_proj(hidden_states.new_zeros(*hidden_states.shape[:-1], 0)), None
 
         return forward
