@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from sinv_prune import data as data_mod
 from sinv_prune.checkpoint import from_pretrained
 from sinv_prune.criteria import get_criterion
-from sinv_prune.evaluation import compare_speed, mlm_loss, parameter_breakdown, perplexity
+from sinv_prune.evaluation import compare_speed, mlm_loss, parameter_breakdown, perplexity, speedup_fields
 from sinv_prune.preflight import build_model, is_masked_lm, preflight
 from sinv_prune.recipe import ArmSpec, Recipe, recipe_to_yaml
 from sinv_prune.report import write_report
@@ -376,8 +376,9 @@ def evaluate_model(run: Run, model, label: str) -> dict:
             seq_len=spec.speed_seq_len or data.seq_len,
             repeats=spec.speed_repeats,
             device=run.device,
+            control=True,
         )
-        out["speed"] = {**speed["b"], "speedup_vs_baseline": speed["speedup"]}
+        out["speed"] = {**speed["b"], **speedup_fields(speed)}
     logger.info("evaluated %s: ppl %.3f, %d params", label, out["perplexity"], out["params"])
     return out
 

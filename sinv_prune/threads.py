@@ -8,6 +8,7 @@ thread. ``choose_threads`` picks the count from the model's size and the cores r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -135,10 +136,8 @@ def torch_threads(choice: ThreadChoice) -> Iterator[ThreadChoice]:
 
     before = torch.get_num_threads()
     torch.set_num_threads(choice.threads)
-    try:
+    with contextlib.suppress(RuntimeError):  # the pool has started; eager forward and backward leave it idle
         torch.set_num_interop_threads(choice.threads)
-    except RuntimeError:
-        pass  # the inter-op pool has started; it is idle in eager forward and backward passes
     added_env = choice.threads == 1 and "TOKENIZERS_PARALLELISM" not in os.environ
     if added_env:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"

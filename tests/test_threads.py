@@ -83,10 +83,9 @@ def test_torch_threads_sets_and_restores(monkeypatch, caplog):
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     torch.set_num_threads(2)
     try:
-        with caplog.at_level("INFO", logger="sinv_prune"):
-            with threads.torch_threads(threads.ThreadChoice(1, "why")):
-                assert torch.get_num_threads() == 1
-                assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+        with caplog.at_level("INFO", logger="sinv_prune"), threads.torch_threads(threads.ThreadChoice(1, "why")):
+            assert torch.get_num_threads() == 1
+            assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
         assert torch.get_num_threads() == 2 and "TOKENIZERS_PARALLELISM" not in os.environ
         assert [r.getMessage() for r in caplog.records] == ["torch threads: 1 (why)"]
     finally:
