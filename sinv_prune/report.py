@@ -80,19 +80,17 @@ def _interval(pair: list[float]) -> str:
 def speed_note(results: dict) -> str | None:
     """What the speed column measures, with this run's shapes and its A/A control range."""
     base = results["baseline"].get("speed")
-    if not base or "resolved" not in base:
+    if not base or "control" not in base:
         return None
-    speeds = [base] + [
-        a[s]["speed"] for a in results["arms"] for s in ("pruned", "finetuned") if a.get(s, {}).get("speed")
-    ]
-    lows = [s["control"]["speedup_iqr"][0] for s in speeds]
-    highs = [s["control"]["speedup_iqr"][1] for s in speeds]
+    models = [results["baseline"]] + [a[k] for a in results["arms"] for k in ("pruned", "finetuned") if a.get(k)]
+    controls = [m["speed"]["control"]["speedup_iqr"] for m in models if "control" in (m.get("speed") or {})]
+    threads = f"{base['threads']} thread" + ("s" if base["threads"] != 1 else "")
     return (
         f"Speed-up: the baseline's forward latency over the model's ({base['batch_size']} x {base['seq_len']} "
-        f"random tokens, `{base['device']}`, {base['threads']} threads), median of {base['repeats']} interleaved "
-        "repeats, with the interquartile range of the per-repeat ratios. Each measurement also times the "
-        "baseline against itself in the same loop (an A/A control, which would be 1.00 without noise); "
-        f"across this run its interquartile ranges span {min(lows):.2f}-{max(highs):.2f}. "
+        f"random tokens, `{base['device']}`, {threads}), median of {base['repeats']} interleaved repeats, with "
+        "the interquartile range of the per-repeat ratios. Each measurement also times the baseline against "
+        "itself in the same loop (an A/A control, which would be 1.00 without noise); across this run its "
+        f"interquartile ranges span {min(c[0] for c in controls):.2f}-{max(c[1] for c in controls):.2f}. "
         "\"below resolution\": the model's range overlaps its control's, so the difference is within "
         "the timing noise of this machine (method in docs/evaluation.md)."
     )

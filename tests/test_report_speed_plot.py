@@ -56,7 +56,7 @@ def test_speed_ups_within_the_noise_are_marked_below_resolution(monkeypatch):
     report = markdown_report(results, SimpleNamespace(name="t"))
     assert f"| {SPEED_COLUMN} |" in report.splitlines()[4]  # the header names what is measured
     assert "below resolution" in report and "A/A control" in report
-    assert f"median of {base['repeats']} interleaved repeats" in report
+    assert f"median of {base['repeats']} interleaved repeats" in report and "1 thread)" in report  # conftest: 1
 
 
 def test_too_few_repeats_never_resolve_and_old_results_say_so(monkeypatch):
