@@ -72,16 +72,22 @@ def main() -> None:
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished stage.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when present).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or console log; the summary still prints.")
-@click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads for torch (default: torch's).")
+@click.option(
+    "--threads",
+    default="auto",
+    show_default=True,
+    metavar="auto|N",
+    help="CPU threads for torch. auto: from the model's size and the cores free now (small models: 1).",
+)
 def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, threads):
     """Run RECIPE (a YAML file or a built-in name) into a run directory."""
     from sinv_prune.recipe import RecipeError, load_recipe
+    from sinv_prune.threads import parse_threads
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)  # small models on a busy CPU run faster on fewer threads
-
+    try:
+        threads = parse_threads(threads)
+    except ValueError:
+        raise UsageError(f"--threads: expected 'auto' or a positive integer, got {threads!r}") from None
     try:
         parsed = load_recipe(recipe, list(overrides))
     except RecipeError as err:
@@ -90,7 +96,7 @@ def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, th
     if dry_run:
         _dry_run(parsed, output)
         return
-    _run(parsed, output, overwrite=overwrite, resume=resume, device=device, quiet=quiet)
+    _run(parsed, output, overwrite=overwrite, resume=resume, device=device, quiet=quiet, threads=threads)
 
 
 def _dry_run(recipe, output: Path) -> None:

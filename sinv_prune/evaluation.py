@@ -433,14 +433,21 @@ def compare_speed(
     device=None,
     vocab_size: int | None = None,
     seed: int = 0,
+    control: bool = False,
 ) -> dict:
     """Latency of two models measured interleaved in one process, on the same inputs.
 
     After ``warmup`` forwards of each, repetition ``i`` times one forward of each model back
-    to back, alternating which goes first (ABBA), so drift in machine load hits both alike.
+    to back, rotating which goes first (AB, BA, ...), so drift in machine load hits both alike.
     Returns ``{"a": ..., "b": ...}`` (as :func:`measure_speed`), ``"latency_ratio"`` (median
-    over repetitions of ``t_b / t_a``) and ``"speedup"`` (``1 / latency_ratio``: > 1 when ``b``
-    is faster, e.g. ``compare_speed(original, pruned)``).
+    over repetitions of ``t_b / t_a``), ``"speedup"`` (``1 / latency_ratio``: > 1 when ``b``
+    is faster, e.g. ``compare_speed(original, pruned)``) and the spread of the per-repetition
+    speed-ups ``t_a / t_b``: ``"speedup_iqr"`` ``[q1, q3]`` and ``"speedup_range"`` ``[min, max]``.
+
+    ``control=True`` adds an A/A control: each repetition also times ``model_a`` a second time
+    (the three forwards rotate: ABA', BA'A, A'AB), and ``"control"`` holds ``t_a / t_a'`` as
+    ``{"speedup", "speedup_iqr", "speedup_range"}``; ``"resolved"`` says whether the speed-up is
+    outside that noise (:func:`speedup_resolved`).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -448,22 +455,59 @@ def compare_speed(
     vocab = vocab_size or min(_vocab_size(model_a), _vocab_size(model_b))
     inputs_a = _speed_inputs(model_a, batch_size, seq_len, vocab, seed, device)
     inputs_b = _speed_inputs(model_b, batch_size, seq_len, vocab, seed, device)
-    times_a, times_b = [], []
+    runs = {"a": (model_a, inputs_a), "b": (model_b, inputs_b)}
+    if control:
+        runs["a2"] = runs["a"]
+    order = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in order}
     with _EvalMode(model_a, model_b), torch.inference_mode():
         for _ in range(warmup):
-            _timed(model_a, inputs_a, device)
-            _timed(model_b, inputs_b, device)
+            for name in order:
+                _timed(*runs[name], device)
         for i in range(repeats):
-            if i % 2 == 0:
-                times_a.append(_timed(model_a, inputs_a, device))
-                times_b.append(_timed(model_b, inputs_b, device))
-            else:
-                times_b.append(_timed(model_b, inputs_b, device))
-                times_a.append(_timed(model_a, inputs_a, device))
-    ratio = statistics.median(b / a for a, b in zip(times_a, times_b, strict=True))
-    return {
-        "a": _summary(times_a, batch_size, seq_len, device, repeats, warmup),
-        "b": _summary(times_b, batch_size, seq_len, device, repeats, warmup),
+            shift = i % len(order)
+            for name in order[shift:] + order[:shift]:
+                times[name].append(_timed(*runs[name], device))
+    ratio = statistics.median(b / a for a, b in zip(times["a"], times["b"], strict=True))
+    out = {
+        "a": _summary(times["a"], batch_size, seq_len, device, repeats, warmup),
+        "b": _summary(times["b"], batch_size, seq_len, device, repeats, warmup),
         "latency_ratio": ratio,
         "speedup": 1.0 / ratio,
+        **_spread([a / b for a, b in zip(times["a"], times["b"], strict=True)]),
     }
+    if control:
+        ratios = [a / a2 for a, a2 in zip(times["a"], times["a2"], strict=True)]
+        out["control"] = {"speedup": statistics.median(ratios), **_spread(ratios)}
+        out["resolved"] = speedup_resolved(out["speedup_iqr"], out["control"]["speedup_iqr"], repeats)
+    return out
+
+
+def _spread(ratios: list[float]) -> dict:
+    if len(ratios) > 1:
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    else:
+        q1 = q3 = ratios[0]
+    return {"speedup_iqr": [q1, q3], "speedup_range": [min(ratios), max(ratios)]}
+
+
+# Quartiles of fewer timings say nothing about the spread.
+MIN_RESOLVED_REPEATS = 5
+
+
+def speedup_resolved(speedup_iqr: list[float], control_iqr: list[float], repeats: int) -> bool:
+    """Whether a measured speed-up is outside the timing noise.
+
+    True when there are at least ``MIN_RESOLVED_REPEATS`` repetitions and the interquartile
+    range of the per-repetition speed-ups lies wholly above or below that of the A/A control
+    (the same model timed against itself in the same loop).
+    """
+    if repeats < MIN_RESOLVED_REPEATS:
+        return False
+    return speedup_iqr[0] > control_iqr[1] or speedup_iqr[1] < control_iqr[0]
+
+
+def speedup_fields(result: dict) -> dict:
+    """What a run records about a :func:`compare_speed` result next to model b's own timings."""
+    keys = ("speedup_iqr", "speedup_range", "control", "resolved")
+    return {"speedup_vs_baseline": result["speedup"], **{k: result[k] for k in keys if k in result}}

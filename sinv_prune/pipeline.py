@@ -8,6 +8,7 @@ Trainer checkpoint inside a training stage).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -21,13 +22,14 @@ from tqdm.auto import tqdm
 from sinv_prune import data as data_mod
 from sinv_prune.checkpoint import from_pretrained
 from sinv_prune.criteria import get_criterion
-from sinv_prune.evaluation import compare_speed, mlm_loss, parameter_breakdown, perplexity
+from sinv_prune.evaluation import compare_speed, mlm_loss, parameter_breakdown, perplexity, speedup_fields
 from sinv_prune.preflight import build_model, is_masked_lm, preflight
 from sinv_prune.recipe import ArmSpec, Recipe, recipe_to_yaml
 from sinv_prune.report import write_report
 from sinv_prune.rundir import RunDir, write_dir, write_json, write_text
 from sinv_prune.selection import model_layouts, select_heads
 from sinv_prune.surgery import count_parameters, prune_heads
+from sinv_prune.threads import choose_threads, parse_threads, recipe_params, torch_threads
 from sinv_prune.training import run_trainer
 
 logger = logging.getLogger("sinv_prune")
@@ -62,13 +64,23 @@ def run_recipe(
     resume: bool = False,
     device: str | None = None,
     quiet: bool = False,
+    threads: int | str | None = "auto",
 ) -> dict:
-    """Run every stage of ``recipe`` into the directory ``output``; returns ``results.json``'s content."""
+    """Run every stage of ``recipe`` into the directory ``output``; returns ``results.json``'s content.
+
+    ``threads``: torch CPU threads during the run, ``"auto"`` (see :func:`sinv_prune.threads.choose_threads`),
+    a number, or None to leave torch's setting alone.
+    """
     preflight(recipe)
+    threads = parse_threads(threads)
     device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
     run = Run(recipe, RunDir.open(Path(output), overwrite=overwrite, resume=resume), device, quiet)
     handler = _log_to_file(run.root / "run.log")
+    stack = contextlib.ExitStack()
     try:
+        if threads is not None:
+            n_params = recipe_params(recipe) if threads == "auto" else None
+            stack.enter_context(torch_threads(choose_threads(threads, n_params=n_params)))
         write_text(run.root / "recipe.yaml", recipe_to_yaml(recipe))
         logger.info("run %s in %s on %s (resume=%s)", recipe.name, run.root, device, resume)
         prepare_data(run)
@@ -81,6 +93,7 @@ def run_recipe(
         stage_push(run, results)
         return results
     finally:
+        stack.close()
         logging.getLogger("sinv_prune").removeHandler(handler)
         handler.close()
 
@@ -364,8 +377,9 @@ def evaluate_model(run: Run, model, label: str) -> dict:
             seq_len=spec.speed_seq_len or data.seq_len,
             repeats=spec.speed_repeats,
             device=run.device,
+            control=True,
         )
-        out["speed"] = {**speed["b"], "speedup_vs_baseline": speed["speedup"]}
+        out["speed"] = {**speed["b"], **speedup_fields(speed)}
     logger.info("evaluated %s: ppl %.3f, %d params", label, out["perplexity"], out["params"])
     return out
 

@@ -254,3 +254,71 @@ def test_compare_speed_reports_both_and_the_ratio():
 def test_measure_speed_runs_every_architecture(arch):
     result = evaluation.measure_speed(tiny_model(arch), batch_size=1, seq_len=8, repeats=1, warmup=0)
     assert result["latency_ms"] > 0 and result["latency_ms_iqr"] == 0
+
+
+def scripted_timer(monkeypatch, latency: dict, noise: list[float]):
+    """Replace the forward timer: model -> base latency, times a repeating noise factor; logs the calls."""
+    calls = []
+
+    def fake_timed(model, inputs, device):
+        calls.append(model)
+        return latency[id(model)] * noise[(len(calls) - 1) % len(noise)]
+
+    monkeypatch.setattr(evaluation, "_timed", fake_timed)
+    return calls
+
+
+def test_compare_speed_interleaves_an_a_a_control(monkeypatch):
+    a, b = tiny_model("gpt2"), tiny_model("gpt2")
+    calls = scripted_timer(monkeypatch, {id(a): 1.0, id(b): 1.0}, [1.0])
+    result = evaluation.compare_speed(a, b, seq_len=8, repeats=6, warmup=1, control=True)
+    names = ["a" if m is a else "b" for m in calls]
+    # warm-up a, b, a'; then rotations a b a' | b a' a | a' a b (a' is a timed again)
+    assert "".join(names) == "aba" + "aba" + "baa" + "aab" + "aba" + "baa" + "aab"
+    assert result["control"]["speedup"] == result["speedup"] == 1.0
+    assert result["speedup_iqr"] == result["speedup_range"] == [1.0, 1.0]
+
+
+def test_compare_speed_without_control_keeps_the_pairs(monkeypatch):
+    a, b = tiny_model("gpt2"), tiny_model("gpt2")
+    calls = scripted_timer(monkeypatch, {id(a): 1.0, id(b): 1.0}, [1.0])
+    result = evaluation.compare_speed(a, b, seq_len=8, repeats=4, warmup=0)
+    assert "".join("a" if m is a else "b" for m in calls) == "abbaabba"
+    assert "control" not in result and "resolved" not in result
+
+
+def test_a_speed_up_within_the_noise_is_not_resolved(monkeypatch):
+    a, b = tiny_model("gpt2"), tiny_model("gpt2")
+    noise = [1.00, 1.06, 0.95, 1.03, 0.97, 1.08, 0.93]  # +-8% per forward, like a shared CPU
+    scripted_timer(monkeypatch, {id(a): 1.0, id(b): 1 / 1.03}, noise)  # b 3% faster
+    result = evaluation.compare_speed(a, b, seq_len=8, repeats=12, warmup=0, control=True)
+    lo, hi = result["control"]["speedup_iqr"]
+    assert lo < 1 < hi  # the A/A control shows the noise
+    assert result["speedup_range"][0] <= result["speedup_iqr"][0] <= result["speedup"] <= result["speedup_iqr"][1]
+    assert result["resolved"] is False
+
+
+def test_a_speed_up_beyond_the_noise_is_resolved(monkeypatch):
+    a, b = tiny_model("gpt2"), tiny_model("gpt2")
+    noise = [1.00, 1.02, 0.99, 1.01, 0.98]
+    scripted_timer(monkeypatch, {id(a): 1.0, id(b): 1 / 1.5}, noise)  # b 1.5x faster
+    result = evaluation.compare_speed(a, b, seq_len=8, repeats=12, warmup=0, control=True)
+    assert result["speedup"] == pytest.approx(1.5, rel=0.06) and result["resolved"] is True
+    slow = evaluation.compare_speed(b, a, seq_len=8, repeats=12, warmup=0, control=True)
+    assert slow["speedup"] < 1 and slow["resolved"] is True
+
+
+def test_speedup_resolved_needs_repeats_and_disjoint_ranges():
+    assert evaluation.speedup_resolved([1.2, 1.3], [0.95, 1.05], repeats=10)
+    assert evaluation.speedup_resolved([0.7, 0.8], [0.95, 1.05], repeats=10)
+    assert not evaluation.speedup_resolved([1.02, 1.1], [0.95, 1.05], repeats=10)  # overlaps the control
+    assert not evaluation.speedup_resolved([1.2, 1.3], [0.95, 1.05], repeats=evaluation.MIN_RESOLVED_REPEATS - 1)
+
+
+def test_compare_speed_control_on_real_forwards():
+    model = tiny_model("gpt2")
+    result = evaluation.compare_speed(model, model, batch_size=1, seq_len=8, repeats=3, warmup=0, control=True)
+    assert set(result["control"]) == {"speedup", "speedup_iqr", "speedup_range"}
+    assert result["resolved"] is False  # three repetitions cannot resolve anything
+    fields = evaluation.speedup_fields(result)
+    assert fields["speedup_vs_baseline"] == result["speedup"] and fields["control"] == result["control"]

@@ -1,0 +1,129 @@
+"""report.md's speed column (spread, A/A control, "below resolution") and the perplexity-vs-parameters plot."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import matplotlib.pyplot as plt
+import pytest
+from conftest import tiny_model
+from matplotlib.collections import PathCollection
+from matplotlib.lines import Line2D
+
+from sinv_prune import evaluation
+from sinv_prune.report import SPEED_COLUMN, markdown_report, perplexity_vs_params_figure, summary_rows
+
+
+def measured(monkeypatch, speedup: float, noise: list[float], repeats: int = 12) -> dict:
+    """A speed record as a run stores it, from scripted forward times: the arm is ``speedup`` x faster."""
+    base, arm = tiny_model("gpt2"), tiny_model("gpt2")
+    latency = {id(base): 1.0, id(arm): 1.0 / speedup}
+    factors = itertools.cycle(noise)
+    monkeypatch.setattr(evaluation, "_timed", lambda model, inputs, device: latency[id(model)] * next(factors))
+    result = evaluation.compare_speed(base, arm, seq_len=8, repeats=repeats, warmup=0, control=True)
+    return {**result["b"], **evaluation.speedup_fields(result)}
+
+
+def results_with(arms: list[tuple[str, dict | None]], base_speed: dict | None = None) -> dict:
+    def model(params, ppl, speed=None):
+        return {"params": params, "perplexity": ppl, **({"speed": speed} if speed else {})}
+
+    return {
+        "baseline": model(1000, 20.0, base_speed),
+        "arms": [
+            {"name": name, "criterion": name.split("-")[0], "heads_removed": 2, "pruned": model(900, 21.0, speed)}
+            for name, speed in arms
+        ],
+        "run": {"eval_split": "test", "device": "cpu"},
+    }
+
+
+NOISY = [1.00, 1.06, 0.95, 1.03, 0.97, 1.08, 0.93]  # +-8% per forward, as on a shared CPU
+QUIET = [1.00, 1.01, 0.99, 1.02, 0.98]
+
+
+def test_speed_ups_within_the_noise_are_marked_below_resolution(monkeypatch):
+    small = measured(monkeypatch, 1.03, NOISY)  # a 3% effect in 8% noise
+    large = measured(monkeypatch, 1.5, QUIET)
+    base = measured(monkeypatch, 1.0, NOISY)
+    results = results_with([("small-2", small), ("large-2", large)], base_speed=base)
+    cells = {row["arm"]: row[SPEED_COLUMN] for row in summary_rows(results)}
+    assert cells["small-2"] == "below resolution"
+    median, (q1, q3) = large["speedup_vs_baseline"], large["speedup_iqr"]
+    assert cells["large-2"] == f"{median:.2f} [{q1:.2f}, {q3:.2f}]" and 1.4 < median < 1.6
+    assert cells["baseline"].startswith("A/A ")  # the baseline's own cell is its control
+    report = markdown_report(results, SimpleNamespace(name="t"))
+    assert f"| {SPEED_COLUMN} |" in report.splitlines()[4]  # the header names what is measured
+    assert "below resolution" in report and "A/A control" in report
+    assert f"median of {base['repeats']} interleaved repeats" in report and "1 thread)" in report  # conftest: 1
+
+
+def test_too_few_repeats_never_resolve_and_old_results_say_so(monkeypatch):
+    few = measured(monkeypatch, 1.5, QUIET, repeats=evaluation.MIN_RESOLVED_REPEATS - 1)
+    old = {"speedup_vs_baseline": 1.07}  # results.json written before the A/A control existed
+    cells = {row["arm"]: row[SPEED_COLUMN] for row in summary_rows(results_with([("few-2", few), ("old-2", old)]))}
+    assert cells == {"baseline": None, "few-2": "below resolution", "old-2": "1.07 (spread not measured)"}
+
+
+@pytest.fixture
+def figure():
+    figs = []
+
+    def make(results):
+        figs.append(perplexity_vs_params_figure(results))
+        figs[-1].canvas.draw()
+        return figs[-1].axes[0]
+
+    yield make
+    for fig in figs:
+        plt.close(fig)
+
+
+def plotted_points(ax) -> list[tuple[float, float]]:
+    """Every drawn marker, in display coordinates (after each collection's own offset transform)."""
+    points = []
+    for coll in ax.collections:
+        offsets = coll.get_offsets()
+        if len(offsets):
+            points += [tuple(round(v, 1) for v in p) for p in coll.get_offset_transform().transform(offsets)]
+    return points
+
+
+def test_every_arm_is_visible_even_at_the_same_point(figure):
+    results = results_with([("a-2", None), ("b-2", None), ("c-2", None)])  # identical params and perplexity
+    results["arms"][0]["finetuned"] = {"params": 900, "perplexity": 20.5}
+    ax = figure(results)
+    points = plotted_points(ax)
+    assert len(points) == 1 + 3 + 1  # baseline, three pruned arms, one fine-tuned
+    assert len(set(points)) == len(points)  # none drawn on top of another
+    true_x, pruned_y = (round(v, 1) for v in ax.transData.transform((900, 21.0)))
+    pruned_x = sorted(x for x, y in points if y == pruned_y)
+    assert len(pruned_x) == 3 and all(b - a >= 5 for a, b in itertools.pairwise(pruned_x))  # pixels apart
+    assert pruned_x[1] == true_x  # centred on the true parameter count
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "baseline", "a-2", "b-2", "c-2", "open: after pruning", "filled: after fine-tuning"]  # fmt: skip
+    assert not any(isinstance(h, Line2D) for h in legend.legend_handles)
+    assert all(isinstance(h, PathCollection) for h in legend.legend_handles)
+    assert not ax.get_lines()  # markers only, no connecting lines
+
+
+def test_arms_at_different_sizes_are_not_shifted(figure):
+    results = results_with([("a-2", None), ("b-2", None)])
+    results["arms"][1]["pruned"] = {"params": 800, "perplexity": 21.0}
+    ax = figure(results)
+    drawn = sorted(plotted_points(ax))
+    expected = sorted(tuple(round(v, 1) for v in ax.transData.transform((x, y))) for x, y in
+                      [(1000, 20.0), (900, 21.0), (800, 21.0)])  # fmt: skip
+    assert drawn == expected
+
+
+@pytest.mark.parametrize("ppls", [(20.0, 21.4), (5.0, 400.0)])
+def test_tick_labels_are_plain_numbers(figure, ppls):
+    results = results_with([("a-2", None)])
+    results["baseline"]["perplexity"], results["arms"][0]["pruned"]["perplexity"] = ppls
+    ax = figure(results)
+    labels = [t.get_text() for t in ax.get_yticklabels(which="both") + ax.get_xticklabels(which="both")]
+    labels = [t for t in labels if t]
+    assert labels and all(t.replace(",", "").replace(".", "").isdigit() for t in labels), labels
