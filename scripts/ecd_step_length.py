@@ -6,15 +6,16 @@ Two problems, each with ``lr=1, eta=100`` (the paper code's values, ``dt = 0.1``
 
 * ``least squares``: a ``Linear(5, 1)`` fitted to 64 noisy points, full batch, 200 steps;
 * ``bench_symmetry``: that benchmark's GPT-2 (default size, batches and seed 0) for ``--steps`` steps
-  (needs the WikiText-2 text, like the benchmark; skipped with ``--no-bench``).
+  (needs the WikiText-2 text, found as the benchmark finds it; skipped with ``--no-bench``).
 
-    python scripts/ecd_step_length.py --wikitext-dir ../shared/data/wikitext-2     # about a minute on 2 cores
+    python scripts/ecd_step_length.py      # about a minute on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -97,7 +98,9 @@ def bench_model(wikitext_dir: Path, steps: int) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--wikitext-dir", type=Path, default=Path("../shared/data/wikitext-2"))
+    here = Path(__file__).resolve()
+    default = os.environ.get("SINV_PRUNE_WIKITEXT", here.parents[2] / "shared" / "data" / "wikitext-2")
+    p.add_argument("--wikitext-dir", type=Path, default=Path(default), help="WikiText-2 valid.txt and test.txt")
     p.add_argument("--steps", type=int, default=40, help="steps on the bench_symmetry model")
     p.add_argument("--no-bench", action="store_true", help="only the least-squares problem")
     args = p.parse_args(argv)

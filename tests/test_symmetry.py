@@ -139,7 +139,7 @@ def test_ecd_reaches_least_squares_floor_with_one_state_tensor_per_parameter():
     A = torch.cat([X, torch.ones(64, 1)], dim=1)  # noqa: N806
     floor = float(((A @ torch.linalg.lstsq(A, y).solution - y) ** 2).mean())
     model = torch.nn.Linear(5, 1)
-    steps = 400  # steps do not shrink near the minimum (they grow as F nears F0): a decaying lr lets it settle
+    steps = 400  # steps grow as F nears F0 rather than shrink: a decaying lr lets it settle (seeds 0-15: within 0.5%)
     opt = ECD(model.parameters(), lr=0.2, eta=100.0, F0=floor - 0.02)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps)
 
