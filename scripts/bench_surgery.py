@@ -59,7 +59,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 import sinv_prune
@@ -125,7 +124,9 @@ def malloc_trim() -> None:
 
 
 def rss() -> int:
-    return psutil.Process().memory_info().rss
+    """The process's resident set size in bytes, from ``/proc/self/statm`` (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def reset_peak_rss() -> bool:
@@ -151,11 +152,10 @@ class RssSampler(threading.Thread):
     def __init__(self, interval: float = 2e-4):
         super().__init__(daemon=True)
         self.interval, self.stop, self.peak, self.samples = interval, threading.Event(), 0, 0
-        self.proc = psutil.Process()
 
     def run(self):
         while not self.stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self.peak = max(self.peak, rss())
             self.samples += 1
             time.sleep(self.interval)
 
@@ -363,7 +363,7 @@ def main(argv=None) -> int:
           f"parameters {summary.params_before:,} -> {summary.params_after:,} "
           f"({summary.params_after / summary.params_before:.2%})")  # fmt: skip
     print(f"machine    {platform.processor() or platform.machine()}, device {args.device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {psutil.cpu_count()} CPUs, load average "
+          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
           f"{load_before[0]:.2f} before / {load_after[0]:.2f} after")  # fmt: skip
     print(f"batch      {args.batch} x {args.seq_len} tokens, logits at "
           f"{args.logits_to_keep or args.seq_len} positions, {args.repeats} interleaved repeats after "
@@ -409,8 +409,8 @@ def main(argv=None) -> int:
     if aa is not None and abs(aa - 1) > 0.25 * abs(measured_speedup - 1):
         print(f"\nnote: the A/A control is off by {abs(aa - 1):.1%}, comparable to the effect measured "
               f"({abs(measured_speedup - 1):.1%}); repeat on a quiet machine before trusting the speed-up")  # fmt: skip
-    if load_before[0] > psutil.cpu_count() or load_after[0] > psutil.cpu_count():
-        print(f"\nwarning: load average above {psutil.cpu_count()} CPUs: other processes share the cores, "
+    if max(load_before[0], load_after[0]) > (os.cpu_count() or 1):
+        print(f"\nwarning: load average above {os.cpu_count()} CPUs: other processes share the cores, "
               f"latencies are noisy")  # fmt: skip
 
     if args.json:

@@ -20,15 +20,16 @@ validation and test splits only), so the model **trains on ``valid.txt`` and is 
 Training: batches of ``--batch`` random windows of ``--seq-len`` tokens, the same windows for
 every optimizer / breaking arm of a seed; constant learning rate, no warm-up; dropout 0.
 Every optimizer steps through a closure (forward + backward), which ECD needs for the loss value.
-AdamW and SGD clip the gradient norm at ``--clip``; ECD is never clipped (its update is
-normalised already, and clipping would change the gradient that ``F - F0`` pairs with).
+AdamW and SGD clip the gradient norm at ``--clip``; ECD is never clipped (clipping would change
+the gradient that ``F - F0`` pairs with).
 
 ECD runs with the paper code's ``lr=1, eta=100, nu=0`` and ``F0=0`` (the paper code's 2.0 with
 ``--ecd-f0 2``). ``F0`` must stay below every loss the run reaches (a step with ``F <= F0`` does
 nothing; the run counts such steps); cross-entropy is never negative, so 0 can never be crossed.
-In the ``ECD_{q=1}`` update ``F0`` only sets how fast the unit momentum turns towards ``-g``
-(``~ 1/(F - F0)``); in one-seed sweeps at this scale (F0 = 0, 2, 4 at 100 steps; -2, 0, 2 at the
-default 200) 0 gave the lowest loss (docs/symmetry.md).
+In the ``ECD_{q=1}`` update ``F0`` sets, through ``1/(F - F0)``, how fast the momentum turns
+towards ``-g`` and how long each step is (``scripts/ecd_step_length.py``). In one-seed sweeps at
+this scale (F0 = 0, 2, 4 at 100 steps; -2, 0, 2 at the default 200) 0 gave the lowest loss
+(docs/symmetry.md).
 
     python scripts/bench_symmetry.py                       # default budget, ~15 min on 2 cores
     python scripts/bench_symmetry.py --quick --json q.json --plot q.png   # < 2 min

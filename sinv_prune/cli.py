@@ -111,6 +111,11 @@ def _dry_run(recipe, output: Path) -> None:
     stages = [s for s in STAGES if s in ("score", "prune", "evaluate", "report") or getattr(recipe, s, None)]
     click.echo(f"recipe {recipe.name!r} is valid; output: {output}")
     click.echo(f"model: {len(layouts)} layers, {heads} heads; stages: {' -> '.join(stages)}")
+    for name in ("train", "finetune"):
+        spec = getattr(recipe, name)
+        if spec is not None:  # with the optimizer's defaults filled in
+            click.echo(f"  {name}: {spec.optimizer}, learning_rate {spec.learning_rate:g}, lr_scheduler "
+                       f"{spec.lr_scheduler}, optimizer_args {spec.optimizer_args}")  # fmt: skip
     for arm in recipe.prune.arms:
         click.echo(f"  arm {arm.label}: {arm.criterion}, amount {arm.amount}, {arm.mode}")
 

@@ -139,28 +139,72 @@ class SymmetrySpec(Strict):
     seed: int | None = None
 
 
+#: What ``train`` / ``finetune`` use for what the recipe leaves out (or sets to ``null``), per optimizer;
+#: ``optimizer_args`` defaults are merged under the recipe's own. ECD's values are the paper code's, with
+#: a constant lr as ``scripts/bench_symmetry.py`` runs it (a decaying one lets ECD settle: docs/symmetry.md).
+OPTIMIZER_RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "adamw": {"learning_rate": 1e-3, "lr_scheduler": "cosine"},
+    "sgd": {"learning_rate": 1e-2, "lr_scheduler": "cosine", "optimizer_args": {"momentum": 0.9}},
+    "ecd": {"learning_rate": 1.0, "lr_scheduler": "constant", "optimizer_args": {"eta": 100.0, "F0": 2.0, "nu": 0.0}},
+    "soap": {"learning_rate": 3e-3, "lr_scheduler": "cosine"},
+}
+
+
 class TrainSpec(Strict):
     """Trainer settings, shared by ``train`` and ``finetune``.
 
     ``optimizer``: ``adamw``, ``sgd`` (momentum 0.9), ``ecd`` (energy-conserving descent; set
     ``optimizer_args: {F0: ...}`` below the loss you expect to reach) or ``soap``; extra
-    constructor arguments go in ``optimizer_args``.
+    constructor arguments go in ``optimizer_args`` (an argument the optimizer does not take is an
+    error; ``lr`` and ``weight_decay`` are ``learning_rate`` and ``weight_decay``). What the recipe
+    leaves out of ``learning_rate``, ``lr_scheduler`` and ``optimizer_args`` comes from
+    :data:`OPTIMIZER_RECIPE_DEFAULTS` for the optimizer, and the resolved recipe shows it.
     """
 
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
     batch_size: int = Field(16, gt=0)
-    learning_rate: float = Field(1e-3, gt=0)
+    learning_rate: float = Field(gt=0)
     weight_decay: float = Field(0.0, ge=0)
     optimizer: Literal["adamw", "sgd", "ecd", "soap"] = "adamw"
     optimizer_args: dict[str, Any] = Field(default_factory=dict)
     max_grad_norm: float | None = Field(None, ge=0)
     symmetry_breaking: SymmetrySpec | None = None
-    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"]
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
     eval_every: int | None = Field(None, gt=0)
     save_every: int = Field(200, gt=0)
     tracking: TrackingSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizer_defaults(cls, data: Any) -> Any:
+        optimizer = data.get("optimizer", "adamw") if isinstance(data, dict) else None
+        defaults = OPTIMIZER_RECIPE_DEFAULTS.get(optimizer) if isinstance(optimizer, str) else None
+        if defaults is None:
+            return data  # not a mapping, or an unknown optimizer: the field checks say so
+        data = dict(data)
+        for key in ("learning_rate", "lr_scheduler"):
+            if data.get(key) is None:
+                data[key] = defaults[key]
+        given = data.get("optimizer_args")
+        if given is None or isinstance(given, dict):
+            data["optimizer_args"] = {**defaults.get("optimizer_args", {}), **(given or {})}
+        return data
+
+    @field_validator("optimizer_args")
+    @classmethod
+    def _known_optimizer_args(cls, args: dict[str, Any], info) -> dict[str, Any]:
+        own = {"lr": "learning_rate", "weight_decay": "weight_decay"}
+        for key in args:
+            if key in own:
+                raise ValueError(f"{key!r} is not an optimizer argument here: set {own[key]} instead")
+        optimizer = info.data.get("optimizer")
+        if args and optimizer:
+            from sinv_prune.symmetry.optimizers import check_optimizer_args
+
+            check_optimizer_args(optimizer, args)
+        return args
 
 
 class ScoreSpec(Strict):

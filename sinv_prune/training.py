@@ -23,9 +23,17 @@ class LogToLogger(TrainerCallback):
             logger.info("step %d: %s", state.global_step, shown)
 
 
-def _optim_args(spec: TrainSpec) -> str:
-    args = {"momentum": 0.9, **spec.optimizer_args}
-    return ",".join(f"{k}={v}" for k, v in args.items())
+def optimizer_cls_and_kwargs(spec: TrainSpec) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and its keyword arguments: ``learning_rate`` as ``lr`` plus ``optimizer_args``.
+
+    The Trainer builds the optimizer from these over its own parameter groups, so every optimizer
+    gets ``weight_decay`` the same way (none on biases and norms). YAML lists become tuples (``betas``).
+    """
+    from sinv_prune.symmetry.optimizers import check_optimizer_args, optimizer_class
+
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.optimizer_args.items()}
+    check_optimizer_args(spec.optimizer, args)
+    return optimizer_class(spec.optimizer), {**args, "lr": spec.learning_rate}
 
 
 def _add_symmetry_breaking(model, spec) -> None:
@@ -56,12 +64,7 @@ def run_trainer(
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=mlm, mlm_probability=0.15, seed=seed)
     if spec.symmetry_breaking is not None:
         _add_symmetry_breaking(model, spec.symmetry_breaking)
-    optimizer = None
-    if spec.optimizer in ("ecd", "soap"):
-        from sinv_prune.symmetry import build_optimizer
-
-        args_ = {"lr": spec.learning_rate, "weight_decay": spec.weight_decay, **spec.optimizer_args}
-        optimizer = build_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad], **args_)
+    optimizer_cls, optimizer_kwargs = optimizer_cls_and_kwargs(spec)
     # ECD's update uses g / (F - F0): clipping the gradient would change it, so no clipping by default.
     max_grad_norm = spec.max_grad_norm if spec.max_grad_norm is not None else (0.0 if spec.optimizer == "ecd" else 1.0)
     args = TrainingArguments(
@@ -72,8 +75,6 @@ def run_trainer(
         per_device_eval_batch_size=spec.batch_size,
         learning_rate=spec.learning_rate,
         weight_decay=spec.weight_decay,
-        optim="sgd" if spec.optimizer == "sgd" else "adamw_torch",
-        optim_args=_optim_args(spec) if spec.optimizer == "sgd" else None,
         max_grad_norm=max_grad_norm,
         lr_scheduler_type=spec.lr_scheduler,
         warmup_steps=spec.warmup_ratio,  # a float below 1 is a fraction of the steps
@@ -91,13 +92,13 @@ def run_trainer(
         dataloader_num_workers=0,
     )
     trainer_cls = Trainer
-    if optimizer is not None:
+    if getattr(optimizer_cls, "requires_loss", False):  # ECD: its step needs the loss
         from sinv_prune.symmetry import ClosureTrainer
 
         trainer_cls = ClosureTrainer
     trainer = trainer_cls(
         model=model,
-        optimizers=(optimizer, None),
+        optimizer_cls_and_kwargs=(optimizer_cls, optimizer_kwargs),
         args=args,
         train_dataset=train_blocks,
         eval_dataset=eval_blocks,

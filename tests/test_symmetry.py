@@ -48,7 +48,7 @@ def train_output(model, inputs):
 
 
 def test_ecd_first_step_by_hand():
-    """F = (a^2 + b^2)/2 at a=1, b=2; F0=0, lr=1, eta=100: worked out on paper from DESIGN.md.
+    """F = (a^2 + b^2)/2 at a=1, b=2; F0=0, lr=1, eta=100: worked out on paper from the update in ecd.py.
 
     D=2 so D/(2(D-1)) = 1; dt = 1/sqrt(100) = 0.1; F = 2.5; c = dt*eta/(F-F0) = 4.
     p0 = -g/|g| = (-1, -2)/sqrt(5) = (-0.4472136, -0.8944272).
@@ -74,7 +74,7 @@ def test_ecd_first_step_by_hand():
 
 
 def reference_ecd(thetas, grad_fn, loss_fn, steps, lr, eta, F0, wd=0.0):  # noqa: N803
-    """DESIGN.md's ECD_{q=1} in plain Python lists: ``thetas`` is a list of flat tensors (lists)."""
+    """ecd.py's ECD_{q=1} update in plain Python lists: ``thetas`` is a list of flat tensors (lists)."""
     D = sum(len(t) for t in thetas)  # noqa: N806
     dt = lr / math.sqrt(eta)
     thetas = [list(t) for t in thetas]
@@ -139,7 +139,7 @@ def test_ecd_reaches_least_squares_floor_with_one_state_tensor_per_parameter():
     A = torch.cat([X, torch.ones(64, 1)], dim=1)  # noqa: N806
     floor = float(((A @ torch.linalg.lstsq(A, y).solution - y) ** 2).mean())
     model = torch.nn.Linear(5, 1)
-    steps = 400  # constant-speed dynamics: a decaying lr lets it settle (seeds 0-15 all end within 0.5%)
+    steps = 400  # steps grow as F nears F0 rather than shrink: a decaying lr lets it settle (seeds 0-15: within 0.5%)
     opt = ECD(model.parameters(), lr=0.2, eta=100.0, F0=floor - 0.02)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps)
 
@@ -161,6 +161,66 @@ def test_ecd_reaches_least_squares_floor_with_one_state_tensor_per_parameter():
         assert set(opt.state[p]) == {"momentum"}
         assert opt.state[p]["momentum"].shape == p.shape
     assert optimizer_state_bytes_per_param(opt) == 4.0
+
+
+def test_ecd_step_length_is_dt_times_the_updated_momentum_and_depends_on_F0():  # noqa: N802
+    """One tensor: the step is dt * sqrt(1 + c^2 |g_perp|^2), c = dt eta D / (2 (D-1) (F - F0)); not a fixed dt."""
+    lr, eta = 1.0, 100.0
+    dt = lr / math.sqrt(eta)
+
+    def third_step(F0):  # noqa: N803
+        theta = torch.nn.Parameter(torch.tensor([1.0, 2.0, -1.0], dtype=torch.float64))
+        scales = torch.tensor([1.0, 4.0, 0.5], dtype=torch.float64)
+        opt = ECD([theta], lr=lr, eta=eta, F0=F0)
+
+        def closure():
+            opt.zero_grad()
+            loss = 1.0 + 0.5 * (scales * theta**2).sum()
+            loss.backward()
+            return loss.detach()
+
+        for _ in range(2):  # the first step starts at p = -g/|g|, parallel to g: that step is exactly dt
+            opt.step(closure)
+        p = opt.state[theta]["momentum"].clone()
+        before = theta.detach().clone()
+        F, g = float(closure()), theta.grad.clone()  # noqa: N806
+        opt.step(closure)
+        g_perp = g - p * torch.dot(p, g)
+        c = dt * eta * 3 / (2 * 2) / (F - F0)
+        expected = dt * math.sqrt(1 + c**2 * float(g_perp.norm()) ** 2)
+        return float((theta.detach() - before).norm()), expected, F
+
+    far, far_expected, F = third_step(F0=-100.0)  # noqa: N806
+    near, near_expected, _ = third_step(F0=8.0)
+    assert F > 8.2  # both F0 below the loss: both steps move
+    assert far == pytest.approx(far_expected, rel=1e-9) and near == pytest.approx(near_expected, rel=1e-9)
+    assert far == pytest.approx(dt, rel=1e-3)
+    assert near > 10 * dt
+
+
+def test_ecd_warns_once_when_the_loss_is_at_or_below_F0(caplog):  # noqa: N802
+    def run(F0, steps=3):  # noqa: N803
+        p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+        opt = ECD([p], F0=F0)
+
+        def closure():
+            opt.zero_grad()
+            loss = (p**2).sum()  # 5 at the start
+            loss.backward()
+            return loss.detach()
+
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="sinv_prune"):
+            for _ in range(steps):
+                opt.step(closure)
+        return [r for r in caplog.records if r.name == "sinv_prune.symmetry.ecd"]
+
+    warned = run(F0=10.0)
+    assert len(warned) == 1 and warned[0].levelname == "WARNING"
+    message = warned[0].getMessage()
+    assert "F = 5 " in message and "F0 + eps = 10 + 1e-10" in message and "optimizer_args: {F0: ...}" in message
+    assert run(F0=5.0) and run(F0=5.0 - 1e-11)  # at F0 + eps too
+    assert run(F0=0.0) == []
 
 
 def test_ecd_needs_closure_stops_at_F0_and_seeds_its_noise():  # noqa: N802

@@ -64,7 +64,7 @@ class SinvEarlyCriterion(Criterion):
        first, ties by the lowest C_Q reached in the window;
     2. every other head, lowest C_Q reached in the window first.
 
-    The paper's threshold is rarely crossed in practice (see DESIGN.md), so part 2 is what
+    The paper's threshold is rarely crossed in practice (docs/design-notes.md), so part 2 is what
     orders most heads; ``report()["crossed"]`` (also ``self.crossed``) says how many did.
     Scores encode the order: a crossing head at window record ``t`` of ``T`` with minimum
     ``m`` scores ``(t + m / threshold) / T - 1`` (in ``[-1, 0)``); any other head scores its

@@ -13,6 +13,13 @@ moves on the sphere and drives the parameters ``theta``:
   - ``theta <- theta + dt * p``
   - ``p <- p / ||p|| + (nu / sqrt(D)) z``, ``z ~ N(0, I)``, renormalised to ``||p|| = 1``.
 
+The parameters move by ``dt`` times the momentum after its update and before it is renormalised,
+so a step is ``dt * ||p_new||`` long, not ``dt``. With one tensor ``p_new = p - c g_perp``
+(``g_perp = g - p (p . g)`` is orthogonal to the unit ``p``, ``c = dt eta D / (2 (D - 1) (F - F0))``),
+so the step is ``dt * sqrt(1 + c^2 ||g_perp||^2)``: at least ``dt``, and longer the closer ``F``
+comes to ``F0``. With several tensors the per-tensor projection can also make it slightly shorter
+than ``dt``.
+
 As in the authors' code, the projection ``p_T (p_T . g_T)`` is taken per tensor, the norms
 over all tensors. ``weight_decay`` is an L2 term: ``F + wd/2 ||theta||^2`` and ``g + wd theta``
 (per parameter group). Parameters without a gradient in a step are left alone; ``D`` still
@@ -25,6 +32,7 @@ State: one momentum tensor per parameter (AdamW keeps two).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -32,14 +40,17 @@ from torch.optim import Optimizer
 
 _GLOBAL = ("eta", "F0", "nu", "eps")
 
+logger = logging.getLogger(__name__)  # a child of "sinv_prune": reaches a recipe run's run.log and console
+
 
 class ECD(Optimizer):
     """``ECD_{q=1}``; defaults are the paper code's (``lr=1, eta=100, F0=2, nu=0``).
 
-    ``F0`` must stay below every loss the run reaches (a step with ``F - F0 <= eps`` does
-    nothing). ``seed`` makes the ``nu`` noise reproducible; without it the noise comes from
-    torch's global generator. ``lr`` and ``weight_decay`` may differ per parameter group (a
-    scheduler may change ``lr``); ``eta``, ``F0``, ``nu`` and ``eps`` are global.
+    ``F0`` must stay below every loss the run reaches: a step with ``F - F0 <= eps`` does
+    nothing (the first such step logs a warning with the numbers). ``seed`` makes the ``nu``
+    noise reproducible; without it the noise comes from torch's global generator. ``lr`` and
+    ``weight_decay`` may differ per parameter group (a scheduler may change ``lr``); ``eta``,
+    ``F0``, ``nu`` and ``eps`` are global.
     """
 
     #: Tells :class:`~sinv_prune.symmetry.ClosureTrainer` (and readers) that ``step`` needs the loss.
@@ -69,6 +80,7 @@ class ECD(Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, eta=eta, F0=F0, nu=nu, eps=eps)
         super().__init__(params, defaults)
         self.seed = seed
+        self._warned_stop = False
         self._generators: dict[torch.device, torch.Generator] = {}
         if self.dim < 2:
             raise ValueError(f"ECD needs at least 2 parameters (D/(D-1) in the update), got {self.dim}")
@@ -138,6 +150,8 @@ class ECD(Optimizer):
 
         gap = F - F0
         if not gap > eps:  # also catches a NaN loss
+            if gap <= eps:
+                self._warn_stopped(F, F0, eps)
             return loss
         momenta = [self.state[p]["momentum"] for p, _ in moving]
         _normalise(momenta)
@@ -155,6 +169,18 @@ class ECD(Optimizer):
                 m.add_(self._noise(m), alpha=nu / math.sqrt(D))
             _normalise(momenta)
         return loss
+
+    def _warn_stopped(self, F: float, F0: float, eps: float) -> None:  # noqa: N803
+        """Say once, with the numbers, that a step did nothing because ``F - F0 <= eps``."""
+        if self._warned_stop:
+            return
+        self._warned_stop = True
+        logger.warning(
+            "ECD did not move: the loss F = %.6g is at or below F0 + eps = %g + %g, and no step moves the "
+            "parameters while F - F0 <= eps (with the same batch, never again). Set F0 below the lowest loss "
+            "the run can reach (recipe: optimizer_args: {F0: ...}; 0 for a cross-entropy loss).",
+            F, F0, eps,
+        )  # fmt: skip
 
 
 def _gradient(p: torch.Tensor, group: dict) -> torch.Tensor:

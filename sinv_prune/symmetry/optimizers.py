@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -28,26 +29,56 @@ def optimizer_names() -> list[str]:
     return sorted(OPTIMIZER_DEFAULTS)
 
 
-def build_optimizer(name: str, params: Iterable, **kwargs) -> Optimizer:
-    """An optimizer by name: ``"adamw"``, ``"sgd"`` (momentum 0.9 by default), ``"ecd"`` or ``"soap"``.
-
-    ``params`` and ``kwargs`` go to the optimizer's constructor as usual.
-    """
+def _key(name: str) -> str:
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in OPTIMIZER_DEFAULTS:
         raise ValueError(f"unknown optimizer {name!r}: choose one of {', '.join(optimizer_names())}")
-    kwargs = {**OPTIMIZER_DEFAULTS[key], **kwargs}
+    return key
+
+
+def optimizer_class(name: str) -> type[Optimizer]:
+    """The class behind an optimizer name (``"soap"`` imports ``pytorch_optimizer``)."""
+    key = _key(name)
     if key == "adamw":
-        return torch.optim.AdamW(params, **kwargs)
+        return torch.optim.AdamW
     if key == "sgd":
-        return torch.optim.SGD(params, **kwargs)
+        return torch.optim.SGD
     if key == "ecd":
-        return ECD(params, **kwargs)
+        return ECD
     try:
         from pytorch_optimizer import SOAP
     except ImportError as err:  # pragma: no cover - the package is a dependency
         raise ImportError("the 'soap' optimizer needs the pytorch-optimizer package") from err
-    return SOAP(params, **kwargs)
+    return SOAP
+
+
+def optimizer_arg_names(name: str) -> list[str]:
+    """The keyword arguments the optimizer's constructor names (``params`` and ``**kwargs`` excluded)."""
+    signature = inspect.signature(optimizer_class(name).__init__)
+    skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return sorted(n for n, p in signature.parameters.items() if n not in ("self", "params") and p.kind not in skip)
+
+
+def check_optimizer_args(name: str, args: Iterable[str]) -> None:
+    """``ValueError`` naming every argument the optimizer does not take (SOAP would swallow them)."""
+    accepted = optimizer_arg_names(name)
+    unknown = sorted(set(args) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for optimizer "
+            f"{_key(name)!r}; it takes {', '.join(accepted)}"
+        )
+
+
+def build_optimizer(name: str, params: Iterable, **kwargs) -> Optimizer:
+    """An optimizer by name: ``"adamw"``, ``"sgd"`` (momentum 0.9 by default), ``"ecd"`` or ``"soap"``.
+
+    ``params`` and ``kwargs`` go to the optimizer's constructor as usual; an argument it does not
+    take is a ``ValueError``.
+    """
+    key = _key(name)
+    check_optimizer_args(key, kwargs)
+    return optimizer_class(key)(params, **{**OPTIMIZER_DEFAULTS[key], **kwargs})
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:
