@@ -20,6 +20,7 @@ from transformers.models.auto import modeling_auto
 
 from sinv_prune.checkpoint import _AUTO_MAPPINGS, PREFIX
 from sinv_prune.record import get_record
+from sinv_prune.report import speed_cell
 from sinv_prune.version import __version__
 
 TAGS = ["sinv-prune", "pruned", "attention-head-pruning"]
@@ -192,9 +193,13 @@ def _evaluation(results, row, stage, recipe, baseline, after) -> list[str]:
     lines += ["", _data_sentence(recipe, run, after.get("eval") or baseline.get("eval") or {}, mlm), ""]
     speed = after.get("speed") or {}
     if speed.get("speedup_vs_baseline"):
-        lines += [f"Forward pass {speed['speedup_vs_baseline']:.2f}x the base model's speed (median of "
-                  f"{speed.get('repeats')} interleaved runs, batch {speed.get('batch_size')} x {speed.get('seq_len')} "
-                  f"tokens, `{speed.get('device')}`, {speed.get('threads')} threads).", ""]  # fmt: skip
+        how = (f"{speed.get('repeats')} interleaved runs, batch {speed.get('batch_size')} x {speed.get('seq_len')} "
+               f"tokens, `{speed.get('device')}`, {speed.get('threads')} threads")  # fmt: skip
+        cell = speed_cell(speed)
+        if speed.get("resolved") is False:
+            lines += [f"Forward-pass speed: {cell} (the speed-up was within the noise of an A/A control; {how}).", ""]
+        else:
+            lines += [f"Forward-pass speed-up against the base model, median [IQR]: {cell} ({how}).", ""]
     return lines
 
 

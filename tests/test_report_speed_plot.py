@@ -127,3 +127,23 @@ def test_tick_labels_are_plain_numbers(figure, ppls):
     labels = [t.get_text() for t in ax.get_yticklabels(which="both") + ax.get_xticklabels(which="both")]
     labels = [t for t in labels if t]
     assert labels and all(t.replace(",", "").replace(".", "").isdigit() for t in labels), labels
+
+
+@pytest.mark.parametrize("resolved", [False, True])
+def test_model_card_speed_sentence_follows_the_resolution(resolved):
+    """The card never quotes a bare speed-up that the A/A control cannot tell from noise."""
+    from sinv_prune.model_card import _evaluation
+
+    speed = {
+        "speedup_vs_baseline": 1.07, "speedup_iqr": [1.05, 1.09], "speedup_range": [0.9, 1.2],
+        "control": {"speedup": 1.0, "speedup_iqr": [0.98, 1.03]}, "resolved": resolved,
+        "repeats": 9, "batch_size": 1, "seq_len": 64, "device": "cpu", "threads": 1,
+    }  # fmt: skip
+    after = {"params": 90, "perplexity": 30.0, "speed": speed}
+    lines = "\n".join(
+        _evaluation({"run": {}}, {"pruned": after}, "pruned", None, {"params": 100, "perplexity": 25.0}, after)
+    )
+    if resolved:
+        assert "median [IQR]: 1.07 [1.05, 1.09]" in lines
+    else:
+        assert "below resolution" in lines and "1.07" not in lines
