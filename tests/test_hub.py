@@ -44,6 +44,7 @@ from sinv_prune.surgery import count_parameters
 
 TOKEN = "hf_StandInTokenThatMustNeverLeak42"
 WRONG = "hf_WrongTokenAlsoNeverPrinted777"
+ODD = "oidc.NotShapedLikeAHubToken.5d41402a"  # only replacing the token itself hides this one
 ARM = "taylor-3-global"
 GPT2_REMOVED = {0: [1, 3], 2: [0]}
 LLAMA_REMOVED = {0: [0, 3], 1: [1, 5], 2: [2, 4]}  # 2 of 3 heads kept in each KV group: stock layout
@@ -421,9 +422,70 @@ def test_cli_reload_mismatch_exits_2(hub, run_dir, monkeypatch):
 
 
 def test_token_is_scrubbed_from_errors_that_quote_it():
-    with pytest.raises(PushError) as info, hub_errors(TOKEN, "http://hub", "a/b"):
-        raise RuntimeError(f"request failed:\nAuthorization: Bearer {TOKEN}\n{TOKEN} again")
-    assert TOKEN not in str(info.value) and "\n" not in str(info.value)
+    """The token in use, other Hub-token-shaped strings and whatever follows ``Bearer`` all go."""
+    with pytest.raises(PushError) as info, hub_errors(ODD, "http://hub", "a/b"):
+        raise RuntimeError(f"request with {ODD} failed (Authorization: Bearer jwt.x.y and old {WRONG})\nsecond line")
+    message = str(info.value)
+    assert message == "push to a/b failed: request with *** failed (Authorization: Bearer *** and old ***)"
+
+
+def leaked(token: str, *texts: str, run: Path | None = None) -> list[str]:
+    """Where ``token`` shows up: the indices of ``texts`` that hold it, and files under ``run`` that do."""
+    found = [f"text {i}" for i, text in enumerate(texts) if token in text]
+    files = [p for p in run.rglob("*") if p.is_file()] if run is not None else []
+    return found + [str(p) for p in files if token.encode() in p.read_bytes()]
+
+
+@pytest.mark.parametrize(
+    ("token", "status", "server_says"),
+    [
+        (TOKEN, 403, "Forbidden: the request had Authorization: {authorization}"),
+        (ODD, 500, "internal error while checking the token {token}"),
+        (ODD, 401, "Invalid credentials: {token}"),
+    ],
+)
+def test_a_hub_error_quoting_the_token_does_not_leak_it(hub, run_dir, monkeypatch, caplog, token, status, server_says):
+    monkeypatch.setenv("HF_TOKEN", token)
+    hub.fail_with, hub.fail_message = status, server_says
+    caplog.set_level(logging.INFO)  # httpcore's DEBUG lines quote response headers verbatim, echoed token and all
+    caplog.set_level(logging.DEBUG, logger="sinv_prune")
+    result = CliRunner().invoke(main, ["push", str(run_dir.root / ARM), "--repo-id", "tester/target"])
+    assert result.exit_code == 2, result.output
+    error = result.output.rstrip().splitlines()[-1]
+    assert error.startswith("error: ") and f"HTTP {status}" in error and "***" in error  # the quote got through
+    assert not leaked(token, result.output, caplog.text, run=run_dir.root)
+
+
+def test_an_upload_error_quoting_the_token_does_not_leak_it(hub, run_dir, tmp_path, monkeypatch, caplog,
+                                                            worker_in_process):  # fmt: skip
+    """The recipe's push stage: the upload client fails after the reload check, quoting the token."""
+    from sinv_prune.pipeline import Run, RunStageError, _log_to_file, stage_push
+    from sinv_prune.rundir import RunDir
+
+    def fail(*args, **kwargs):
+        raise OSError(f"upload rejected for {ODD}, Authorization: Bearer {ODD}\nretry later")
+
+    monkeypatch.setenv("HF_TOKEN", ODD)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", fail)
+    monkeypatch.setattr(hub, "token", ODD)
+    root = shutil.copytree(run_dir.root, tmp_path / "run")
+    recipe = yaml.safe_load((root / "recipe.yaml").read_text())
+    recipe["push"] = {"repo_id": "tester/tiny-{arm}"}
+    run = Run(validate_recipe(recipe), RunDir(root), "cpu", quiet=True)
+    run.dir.state = json.loads((root / "state.json").read_text())
+    caplog.set_level(logging.DEBUG)
+    handler = _log_to_file(root / "run.log")
+    try:
+        with pytest.raises(RunStageError) as info:
+            stage_push(run, run_dir.results)
+    finally:
+        logging.getLogger("sinv_prune").removeHandler(handler)
+        handler.close()
+    message = str(info.value)
+    assert message == f"push: push to tester/tiny-{ARM} failed: upload rejected for ***, Authorization: Bearer ***"
+    assert "reload check passed" in (root / "run.log").read_text()  # the log was written
+    assert not leaked(ODD, message, caplog.text, run=root)
+    assert "pushed" not in run.dir.state["arms"][ARM]
 
 
 # -- model.push_to_hub (transformers' own route) -------------------------------------------------
