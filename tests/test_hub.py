@@ -320,6 +320,38 @@ def test_push_pruned_replaces_an_existing_repo_with_overwrite(hub, llama_dir, tm
     assert "| 0 | 4 | 0, 3 |" in body
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_repo_created_after_the_check_is_not_overwritten_silently(hub, llama_dir, monkeypatch, worker_in_process,
+                                                                    overwrite):  # fmt: skip
+    """Someone creates the repo between the existence check and ours: refuse, or with overwrite replace its files."""
+    theirs = {"model.safetensors": b"their weights", "pytorch_model.bin": b"their old weights"}
+    real_check = hub_mod._check_hub
+
+    def check_then_race(api, repo_id, timeout):
+        found = real_check(api, repo_id, timeout)
+        hub.add_repo("tester/raced", theirs)
+        return found
+
+    monkeypatch.setattr(hub_mod, "_check_hub", check_then_race)
+    if not overwrite:
+        with pytest.raises(PushError, match="tester/raced already exists on the Hub; pass --overwrite"):
+            push_pruned(llama_dir.path, "tester/raced", model=llama_dir.model)
+        assert hub.files("tester/raced") == {".gitattributes": hub.files("tester/raced")[".gitattributes"], **theirs}
+        assert not hub.received
+        return
+    result = push_pruned(llama_dir.path, "tester/raced", model=llama_dir.model, overwrite=True)
+    assert not result.created and result.deleted == ["pytorch_model.bin"]
+    on_disk = {p.name for p in llama_dir.path.iterdir()}
+    assert set(hub.files("tester/raced")) == on_disk | {"README.md", ".gitattributes"}
+
+
+def test_a_token_in_the_card_text_is_scrubbed(hub, llama_dir, worker_in_process):
+    recipe = f"# pushed with HF_TOKEN={TOKEN}\nname: leaky\nmodel: {{path: HuggingFaceTB/SmolLM2-135M}}\n"
+    push_pruned(llama_dir.path, "tester/card", model=llama_dir.model, recipe_text=recipe)
+    card = hub.received["tester/card"]["README.md"].decode()
+    assert "name: leaky" in card and "HF_TOKEN=***" in card and TOKEN not in card
+
+
 def test_a_checkpoint_that_reloads_differently_is_not_uploaded(hub, llama_dir, tmp_path, worker_in_process):
     broken = tmp_path / "checkpoint"
     shutil.copytree(llama_dir.path, broken)
