@@ -158,7 +158,7 @@ def push_pruned(
         ops: list[Any] = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(model_dir / rel)) for rel in files]
         ops.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode("utf-8")))
         deleted = []
-        if existing is not None:
+        if not created:  # the repo existed, at the check or since (overwrite=True): drop files we don't push
             keep = set(files) | {CARD} | KEEP_REMOTE
             deleted = sorted(p for p in api.list_repo_files(repo_id, revision=revision) if p not in keep)
             ops += [CommitOperationDelete(path_in_repo=p) for p in deleted]

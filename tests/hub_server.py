@@ -20,7 +20,9 @@ repositories in memory. It answers what ``huggingface_hub`` 2.x sends for:
 Every route except the LFS ``PUT`` (a pre-signed storage URL on the real Hub) needs
 ``Authorization: Bearer <token>``; anything else gets 401 with the Hub's
 ``Invalid credentials in Authorization header``. ``fail_with = 401`` (or 403, 500)
-answers every request with that status. Unknown routes answer 404 and are listed in
+answers every request with that status; ``fail_message`` then sets the error message, with
+``{authorization}`` (the header received) and ``{token}`` (its bare token) filled in, as a
+careless server or proxy might quote them. Unknown routes answer 404 and are listed in
 ``unknown`` so tests can assert that none was hit.
 """
 
@@ -59,6 +61,7 @@ class StandInHub:
         self.lfs_objects: dict[str, bytes] = {}
         self.lfs_patterns: tuple[str, ...] = ()
         self.fail_with: int | None = None
+        self.fail_message: str | None = None
         self.requests: list[tuple[str, str]] = []
         self.unknown: list[tuple[str, str]] = []
         self.errors: list[str] = []
@@ -85,6 +88,7 @@ class StandInHub:
         self.lfs_objects.clear()
         self.lfs_patterns = ()
         self.fail_with = None
+        self.fail_message = None
         self.role = "write"
         for log in (self.requests, self.unknown, self.errors, self.validated_yaml):
             log.clear()
@@ -111,7 +115,7 @@ class StandInHub:
 
     def route(self, method: str, path: str, query: dict, body: bytes, headers) -> tuple[int, dict, object]:
         if self.fail_with:
-            return _error(self.fail_with, "Forced failure", "Forbidden" if self.fail_with == 403 else None)
+            return _error(self.fail_with, "Forced failure", self._fail_message(headers))
         if method == "PUT" and path.startswith("/_lfs/"):
             return self._lfs_put(path[len("/_lfs/") :], body)
         if headers.get("authorization") != f"Bearer {self.token}":
@@ -138,6 +142,12 @@ class StandInHub:
                 return handler(payload=payload, query=query, method=method, **groups)
         self.unknown.append((method, path))
         return _error(404, None, f"no route {method} {path}")
+
+    def _fail_message(self, headers) -> str | None:
+        if self.fail_message is None:
+            return "Forbidden" if self.fail_with == 403 else None
+        authorization = headers.get("authorization", "")
+        return self.fail_message.format(authorization=authorization, token=authorization.removeprefix("Bearer "))
 
     def _whoami(self, **_):
         access = {"displayName": "test token", "role": self.role}

