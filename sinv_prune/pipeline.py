@@ -28,7 +28,7 @@ from sinv_prune.report import write_report
 from sinv_prune.rundir import RunDir, write_dir, write_json, write_text
 from sinv_prune.selection import model_layouts, select_heads
 from sinv_prune.surgery import count_parameters, prune_heads
-from sinv_prune.training import run_trainer
+from sinv_prune.training import remove_checkpoints, run_trainer
 
 logger = logging.getLogger("sinv_prune")
 
@@ -41,6 +41,7 @@ class Run:
     dir: RunDir
     device: str
     quiet: bool
+    keep_checkpoints: bool = False
     tokenizer: Any = None
     ids: dict[str, torch.Tensor] = field(default_factory=dict)
     base: Any = None
@@ -62,11 +63,17 @@ def run_recipe(
     resume: bool = False,
     device: str | None = None,
     quiet: bool = False,
+    keep_checkpoints: bool = False,
 ) -> dict:
-    """Run every stage of ``recipe`` into the directory ``output``; returns ``results.json``'s content."""
+    """Run every stage of ``recipe`` into the directory ``output``; returns ``results.json``'s content.
+
+    Trainer checkpoints (with optimizer state, several times the model's size) are deleted once
+    their stage has saved its final model, unless ``keep_checkpoints``.
+    """
     preflight(recipe)
     device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    run = Run(recipe, RunDir.open(Path(output), overwrite=overwrite, resume=resume), device, quiet)
+    run_dir = RunDir.open(Path(output), overwrite=overwrite, resume=resume)
+    run = Run(recipe, run_dir, device, quiet, keep_checkpoints=keep_checkpoints)
     handler = _log_to_file(run.root / "run.log")
     try:
         write_text(run.root / "recipe.yaml", recipe_to_yaml(recipe))
@@ -138,6 +145,7 @@ def stage_train(run: Run) -> None:
     """Build or load the starting model; train it if the recipe says so; save it as ``base/``."""
     base_dir = run.root / "base"
     if run.dir.done("train"):
+        _drop_checkpoints(run, run.root / "checkpoints" / "train")  # in case a run stopped right after the stage
         run.base = from_pretrained(base_dir).to(run.device)
         return
     model = build_model(run.recipe, vocab_size=len(run.tokenizer), tokenizer=run.tokenizer)
@@ -179,6 +187,16 @@ def stage_train(run: Run) -> None:
     _save_model(model, run.tokenizer, base_dir)
     run.base = model.to(run.device).eval()
     run.dir.finish("train")
+    _drop_checkpoints(run, run.root / "checkpoints" / "train")
+
+
+def _drop_checkpoints(run: Run, trainer_dir: Path) -> None:
+    """A finished stage's Trainer checkpoints, unless the run keeps them (``run/checkpoints/`` too once empty)."""
+    if run.keep_checkpoints:
+        return
+    remove_checkpoints(trainer_dir)
+    if trainer_dir.parent.name == "checkpoints" and trainer_dir.parent.is_dir():
+        remove_checkpoints(trainer_dir.parent)
 
 
 def _save_model(model, tokenizer, path: Path) -> None:
@@ -296,10 +314,11 @@ def stage_finetune(run: Run) -> None:
     train_split = "train" if "train" in run.ids else "valid"
     for arm in run.recipe.prune.arms:
         state = run.dir.arm(arm.label)
+        arm_dir = run.root / "arms" / _safe(arm.label)
         if state.get("finetuned"):
+            _drop_checkpoints(run, arm_dir / "checkpoints")
             continue
         model = from_pretrained(run.root / state["pruned_dir"])
-        arm_dir = run.root / "arms" / _safe(arm.label)
         out = run_trainer(
             model,
             run.tokenizer,
@@ -317,6 +336,7 @@ def stage_finetune(run: Run) -> None:
         state.update(finetuned=True, finetuned_dir=str((arm_dir / "finetuned").relative_to(run.root)))
         state["finetune"] = {"steps": out.global_step, "train_loss": out.training_loss}
         run.dir.save()
+        _drop_checkpoints(run, arm_dir / "checkpoints")
         del model
     run.dir.finish("finetune")
 
