@@ -131,7 +131,7 @@ def _dry_run(recipe, output: Path, device: str | None = None) -> None:
     for arm in recipe.prune.arms:
         click.echo(f"  arm {arm.label}: {arm.criterion}, amount {arm.amount}, {arm.mode}")
     _print_estimate(recipe, device, config_s)
-    if output.exists() and any(output.iterdir()):
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
         click.echo(f"warning: {output} exists; the run needs --overwrite (start again) or --resume (continue it)")
 
 
@@ -144,7 +144,10 @@ def _print_estimate(recipe, device: str | None, config_s: float) -> None:
     device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
     click.echo(f"probing {device} for a time estimate ...")
     probe = run_probe(recipe, device, config_s=config_s)
-    click.echo(estimate_table(estimate_stages(recipe, probe, split_tokens(recipe)), probe))
+    tokens = split_tokens(recipe)
+    click.echo(estimate_table(estimate_stages(recipe, probe, tokens), probe))
+    if not tokens:
+        click.echo("note: the corpus (a Hub dataset) is not read before the run: stages sized by it count as empty")
 
 
 def _run(recipe, output: Path, **kwargs) -> None:

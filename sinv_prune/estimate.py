@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -23,31 +24,39 @@ from sinv_prune.recipe import Recipe, TrainSpec
 # loader; writing report.md and the plots.
 TRAINER_START_S = 2.0
 REPORT_S = 3.0
-# Tokenising text with a fast tokenizer, and text characters per token of a subword tokenizer
-# (WikiText-2 with SmolLM2's: 4.1).
-TOKENIZE_CHARS_PER_S = 400_000
+# Tokens a fast tokenizer makes per second (SmolLM2's on WikiText-2 on a busy 2-core machine:
+# 25.8k tokens in 0.26 s), and text characters per token of a subword tokenizer (that pair: 4.1).
+TOKENIZE_TOKENS_PER_S = 100_000
 CHARS_PER_TOKEN = 4.0
-# One timed call of the probe grows until it takes this long (then the line through the last
-# two sizes extrapolates); keeps the probe to a few seconds on a CPU.
-PROBE_CALL_S = 0.5
-SERIALIZE_SAMPLE_BYTES = 32 << 20
+# The probe's calls grow (doubling the tokens, up to the recipe's batch shape) until one takes
+# PROBE_MIN_CALL_S and twice as long as the first (so the cost per token shows over the fixed
+# part), or PROBE_CALL_S; then a line through them extrapolates. Keeps the probe to seconds.
+PROBE_MIN_CALL_S = 0.25
+PROBE_CALL_S = 2.0
+SERIALIZE_SAMPLE_BYTES = 64 << 20
 
 
 @dataclass
 class Timing:
-    """Seconds per call as a function of the tokens in the call: measured points, linear between the last two."""
+    """Seconds per call as a function of the tokens in the call: a least-squares line through the
+    measured points (a fixed part, e.g. reading every weight once, plus a cost per token)."""
 
     points: list[tuple[int, float]] = field(default_factory=list)
 
     def __call__(self, tokens: int) -> float:
-        for n, seconds in self.points:
-            if n == tokens:
-                return seconds
-        (n1, t1), (n2, t2) = self.points[-2:] if len(self.points) > 1 else ((0, 0.0), self.points[-1])
-        slope = (t2 - t1) / (n2 - n1) if n2 != n1 else 0.0
-        if slope <= 0:  # timing noise: fall back to proportional
-            return t2 * tokens / n2
-        return max(0.0, t2 + slope * (tokens - n2))
+        fixed, per_token = self.line()
+        return fixed + per_token * tokens
+
+    def line(self) -> tuple[float, float]:
+        """``(fixed seconds, seconds per token)``, both at least 0."""
+        ns, ts = [n for n, _ in self.points], [t for _, t in self.points]
+        mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
+        var = sum((n - mean_n) ** 2 for n in ns)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in self.points) / var if var else 0.0
+        if slope <= 0:  # one point, or timing noise: proportional to the tokens
+            return 0.0, max(ts) / max(ns)
+        fixed = mean_t - slope * mean_n
+        return (fixed, slope) if fixed >= 0 else (0.0, sum(ts) / sum(ns))
 
     def describe(self) -> str:
         return f"{self.points[0][0]}..{self.points[-1][0]} tokens" if self.points else "-"
@@ -68,8 +77,10 @@ class Probe:
     optimizer_s: dict[str, float]
     optimizer_bytes: dict[str, int]
     measures_s: float
-    write_bps: float
+    write_bps: float  # weights serialised per second (safetensors)
     read_bps: float
+    copy_bps: float
+    trainer_import_s: float  # importing transformers' Trainer (once per run)
     seconds: float = 0.0
 
 
@@ -85,6 +96,17 @@ class Row:
 
 def run_probe(recipe: Recipe, device: str, config_s: float = 0.0) -> Probe:
     """Time the operations the run repeats, on a stand-in of the starting model on ``device``."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the stand-in's config and loss warnings are not the user's business
+    try:
+        return _probe(recipe, device, config_s)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _probe(recipe: Recipe, device: str, config_s: float) -> Probe:
     start = time.perf_counter()
     model, build_s = _stand_in(recipe, device)
     vocab = model.get_input_embeddings().num_embeddings
@@ -101,7 +123,8 @@ def run_probe(recipe: Recipe, device: str, config_s: float = 0.0) -> Probe:
     model.eval()
     with torch.inference_mode():
         forward = _grow(lambda b, n: _forward(model, b, n, vocab), fwd_batch, seq_len, device)
-    write_bps, read_bps = _serialize_rates(model)
+    write_bps, read_bps, copy_bps = _serialize_rates(model)
+    trainer_import_s = _trainer_import_s() if _trainer_specs(recipe) else 0.0
     return Probe(
         device=str(device),
         threads=torch.get_num_threads(),
@@ -116,6 +139,8 @@ def run_probe(recipe: Recipe, device: str, config_s: float = 0.0) -> Probe:
         measures_s=_measures_s(model) if _needs_measures(recipe) else 0.0,
         write_bps=write_bps,
         read_bps=read_bps,
+        copy_bps=copy_bps,
+        trainer_import_s=trainer_import_s,
         seconds=time.perf_counter() - start,
     )
 
@@ -137,11 +162,20 @@ def _stand_in(recipe: Recipe, device: str):
         with no_init_weights():  # buffers (positions, rotary frequencies) are still set
             model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
         model.to(_dtype(recipe, config))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.uniform_(-0.02, 0.02)
+        _fill(model)
     model.to(device)
     return model, time.perf_counter() - start
+
+
+def _fill(model) -> None:
+    """Small varied values, tiled from one short random block (drawing every weight takes seconds)."""
+    block = torch.empty(1 << 16).uniform_(-0.02, 0.02)
+    with torch.no_grad():
+        for p in model.parameters():
+            flat, size = p.view(-1), len(block)
+            rows = flat.numel() // size
+            flat[: rows * size].view(rows, size).copy_(block.expand(rows, size))
+            flat[rows * size :].copy_(block[: flat.numel() - rows * size])
 
 
 def _dtype(recipe: Recipe, config) -> torch.dtype:
@@ -155,8 +189,8 @@ def _dtype(recipe: Recipe, config) -> torch.dtype:
 
 
 def _grow(call, batch: int, seq_len: int, device) -> Timing:
-    """Time ``call(batch, length)`` at growing sizes up to ``batch x seq_len`` until one call takes
-    ``PROBE_CALL_S``; the first call warms up and is not counted."""
+    """Time ``call(batch, length)`` at growing sizes up to ``batch x seq_len`` (see ``PROBE_CALL_S``);
+    the first call warms up and is not counted."""
     shapes = [(1, n) for n in _doubling(min(16, seq_len), seq_len)] + [(b, seq_len) for b in _doubling(2, batch)]
     call(*shapes[0])
     timing = Timing()
@@ -166,7 +200,8 @@ def _grow(call, batch: int, seq_len: int, device) -> Timing:
         call(b, n)
         _sync(device)
         timing.points.append((b * n, time.perf_counter() - start))
-        if len(timing.points) > 1 and timing.points[-1][1] > PROBE_CALL_S:
+        last, first = timing.points[-1][1], timing.points[0][1]
+        if len(timing.points) > 1 and (last >= max(PROBE_MIN_CALL_S, 2 * first) or last >= PROBE_CALL_S):
             break
     return timing
 
@@ -218,8 +253,8 @@ def _optimizer_step(model, spec: TrainSpec, device) -> tuple[float, int]:
     return time.perf_counter() - start, optimizer_state_bytes(optimizer)
 
 
-def _serialize_rates(model) -> tuple[float, float]:
-    """Bytes per second writing and reading weights as safetensors (in memory, on a sample)."""
+def _serialize_rates(model) -> tuple[float, float, float]:
+    """Bytes per second writing and reading weights as safetensors (in memory) and copying them, on a sample."""
     import safetensors.torch
 
     sample, size = {}, 0
@@ -234,7 +269,18 @@ def _serialize_rates(model) -> tuple[float, float]:
     start = time.perf_counter()
     safetensors.torch.load(blob)
     read_s = time.perf_counter() - start
-    return size / max(write_s, 1e-6), size / max(read_s, 1e-6)
+    start = time.perf_counter()
+    [t.clone() for t in sample.values()]
+    copy_s = time.perf_counter() - start
+    return tuple(size / max(s, 1e-6) for s in (write_s, read_s, copy_s))
+
+
+def _trainer_import_s() -> float:
+    """Seconds to import transformers' Trainer (and accelerate): the first Trainer of a run pays them."""
+    start = time.perf_counter()
+    from transformers import Trainer  # noqa: F401
+
+    return time.perf_counter() - start
 
 
 def _needs_measures(recipe: Recipe) -> bool:
@@ -276,19 +322,20 @@ def split_tokens(recipe: Recipe) -> dict[str, int]:
 
 
 def _split_texts(recipe: Recipe) -> dict[str, list[str]]:
+    """Lines per split from local files or the synthetic corpus; nothing for a Hub dataset (not fetched here)."""
+    from sinv_prune import data as data_mod
+
     spec = recipe.data
     if spec.files is not None:
-        from pathlib import Path
-
         files = {k: recipe.resolve(v) for k, v in spec.files.model_dump().items() if v is not None}
         return {k: Path(v).read_text(encoding="utf-8").splitlines() for k, v in files.items()}
-    try:
-        from sinv_prune.pipeline import load_corpus
-
-        corpus = load_corpus(recipe)
-    except Exception:  # noqa: BLE001 - a Hub dataset that is not at hand: counts stay unknown
-        return {}
-    return {split: corpus[split][0 : len(corpus[split])]["text"] for split in corpus}
+    if spec.synthetic is not None:
+        s = spec.synthetic
+        corpus = data_mod.synthetic_corpus(
+            num_train=s.num_train, num_valid=s.num_valid, num_test=s.num_test, seed=s.seed
+        )
+        return {split: corpus[split][0 : len(corpus[split])]["text"] for split in corpus}
+    return {}
 
 
 # -- stage times ---------------------------------------------------------------------------------
@@ -298,14 +345,15 @@ def estimate_stages(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> lis
     """Seconds per stage (and per arm where a stage works arm by arm) from the probe's measurements."""
     rows = [_start_row(recipe, probe, tokens), _train_row(recipe, probe, tokens)]
     rows += _score_rows(recipe, probe, tokens)
-    save = probe.param_bytes / probe.write_bps
+    copy_save = probe.param_bytes / probe.copy_bps + probe.param_bytes / probe.write_bps
     for arm in recipe.prune.arms:
-        rows.append(Row(f"prune {arm.label}", 2 * save, "copy the base model, cut, save"))
+        rows.append(Row(f"prune {arm.label}", copy_save, "copy the base model, cut, save"))
     if recipe.finetune is not None:
         split = "train" if "train" in tokens else "valid"
-        for arm in recipe.prune.arms:
+        for i, arm in enumerate(recipe.prune.arms):
             load = probe.build_s + probe.param_bytes / probe.read_bps
-            seconds, what = _trainer_s(recipe.finetune, probe, recipe.data.seq_len, tokens.get(split))
+            first = recipe.train is None and i == 0
+            seconds, what = _trainer_s(recipe.finetune, probe, recipe.data.seq_len, tokens.get(split), first=first)
             rows.append(Row(f"finetune {arm.label}", load + seconds, what))
     rows.append(_evaluate_row(recipe, probe, tokens))
     rows.append(Row("report", REPORT_S, "report.md and plots (fixed allowance)"))
@@ -314,8 +362,7 @@ def estimate_stages(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> lis
 
 def _start_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:
     """Preflight, corpus, tokenizer and the starting model's load."""
-    chars = sum(tokens.values()) * (1 if recipe.data.tokenizer.kind == "word" else CHARS_PER_TOKEN)
-    seconds = probe.config_s + chars / TOKENIZE_CHARS_PER_S
+    seconds = probe.config_s + sum(tokens.values()) / TOKENIZE_TOKENS_PER_S
     if recipe.model.scratch:
         return Row("start", seconds, "check the recipe, read and tokenise the corpus")
     # A GGUF file is parsed again for the tokenizer and for the weights (then dequantised).
@@ -328,7 +375,7 @@ def _train_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:
     save = probe.param_bytes / probe.write_bps
     if recipe.train is None:
         return Row("train", save, "no training: save the starting model as base/")
-    seconds, what = _trainer_s(recipe.train, probe, recipe.data.seq_len, tokens.get("train"))
+    seconds, what = _trainer_s(recipe.train, probe, recipe.data.seq_len, tokens.get("train"), first=True)
     if recipe.train.eval_every and "valid" in tokens:
         evals = _steps(recipe.train, recipe.data.seq_len, tokens.get("train")) // recipe.train.eval_every
         blocks = tokens["valid"] // recipe.data.seq_len
@@ -340,7 +387,9 @@ def _train_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:
     if recipe.train.tracking is not None:
         steps = _steps(recipe.train, recipe.data.seq_len, tokens.get("train"))
         seconds += (steps // recipe.train.tracking.every_n_steps + 1) * probe.measures_s
-    return Row("train", seconds + probe.build_s, what)  # built from scratch (a pretrained one: in "start")
+    if recipe.model.scratch:
+        seconds += probe.build_s  # a pretrained model's load is in "start"
+    return Row("train", seconds, what)
 
 
 def _steps(spec: TrainSpec, seq_len: int, split_tokens_: int | None) -> int:
@@ -350,14 +399,17 @@ def _steps(spec: TrainSpec, seq_len: int, split_tokens_: int | None) -> int:
     return math.ceil(spec.epochs * math.ceil(blocks / spec.batch_size))
 
 
-def _trainer_s(spec: TrainSpec, probe: Probe, seq_len: int, split_tokens_: int | None) -> tuple[float, str]:
-    """A Trainer run: its steps, its checkpoints (weights + optimizer state) and the final save."""
+def _trainer_s(
+    spec: TrainSpec, probe: Probe, seq_len: int, split_tokens_: int | None, *, first: bool
+) -> tuple[float, str]:
+    """A Trainer run: its steps, its checkpoints (weights + optimizer state) and the final save;
+    the ``first`` of the run also imports the Trainer."""
     steps = _steps(spec, seq_len, split_tokens_)
     step_s = probe.forward_backward(spec.batch_size * seq_len) + probe.optimizer_s.get(spec.optimizer, 0.0)
     checkpoints = math.ceil(steps / spec.save_every)
     checkpoint_bytes = probe.param_bytes + probe.optimizer_bytes.get(spec.optimizer, 0)
     saves = (checkpoints * checkpoint_bytes + probe.param_bytes) / probe.write_bps
-    seconds = TRAINER_START_S + steps * step_s + saves
+    seconds = TRAINER_START_S + (probe.trainer_import_s if first else 0.0) + steps * step_s + saves
     return seconds, f"{steps} steps of {spec.batch_size}x{seq_len} tokens at {step_s:.2f}s, {checkpoints} checkpoint(s)"
 
 
