@@ -54,7 +54,9 @@ class RecipeGroup(click.Group):
         """The group's options and commands, then the run options (the usual way in is ``sinv-prune RECIPE``)."""
         super().format_options(ctx, formatter)
         run_cmd = self.commands["run"]
-        rows = [row for param in run_cmd.get_params(ctx) if (row := param.get_help_record(ctx))]
+        help_option = run_cmd.get_help_option(ctx)
+        options = [p for p in run_cmd.get_params(ctx) if isinstance(p, click.Option) and p is not help_option]
+        rows = [row for param in options if (row := param.get_help_record(ctx))]
         with formatter.section("Run options (sinv-prune RECIPE [OPTIONS], same as sinv-prune run)"):
             formatter.write_dl(rows)
 
@@ -75,7 +77,7 @@ def main() -> None:
 @click.argument("recipe", default="quickstart")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Run directory (default: runs/NAME).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a recipe value.")
-@click.option("--dry-run", is_flag=True, help="Validate and print the plan; run nothing.")
+@click.option("--dry-run", is_flag=True, help="Validate, print the plan and a time estimate; run nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing run directory.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished stage.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when present).")
