@@ -145,7 +145,11 @@ def _print_estimate(recipe, device: str | None, config_s: float) -> None:
 
     device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
     click.echo(f"probing {device} for a time estimate ...")
-    probe = run_probe(recipe, device, config_s=config_s)
+    try:
+        probe = run_probe(recipe, device, config_s=config_s)
+    except (RuntimeError, AssertionError, OSError, ValueError) as err:  # e.g. --device cuda on a CPU-only torch
+        click.echo(f"warning: no time estimate, the probe failed on {device}: {_one_line(err)}")
+        return
     tokens = split_tokens(recipe)
     click.echo(estimate_table(estimate_stages(recipe, probe, tokens), probe))
     if not tokens:
