@@ -50,6 +50,16 @@ class RecipeGroup(click.Group):
             args = ["run", *args]
         return super().resolve_command(ctx, args)
 
+    def format_options(self, ctx, formatter) -> None:
+        """The group's options and commands, then the run options (the usual way in is ``sinv-prune RECIPE``)."""
+        super().format_options(ctx, formatter)
+        run_cmd = self.commands["run"]
+        help_option = run_cmd.get_help_option(ctx)
+        options = [p for p in run_cmd.get_params(ctx) if isinstance(p, click.Option) and p is not help_option]
+        rows = [row for param in options if (row := param.get_help_record(ctx))]
+        with formatter.section("Run options (sinv-prune RECIPE [OPTIONS], same as sinv-prune run)"):
+            formatter.write_dl(rows)
+
 
 @click.group(cls=RecipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="sinv-prune")
@@ -67,7 +77,7 @@ def main() -> None:
 @click.argument("recipe", default="quickstart")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Run directory (default: runs/NAME).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a recipe value.")
-@click.option("--dry-run", is_flag=True, help="Validate and print the plan; run nothing.")
+@click.option("--dry-run", is_flag=True, help="Validate, print the plan and a time estimate; run nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing run directory.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished stage.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when present).")
@@ -79,7 +89,10 @@ def main() -> None:
     metavar="auto|N",
     help="CPU threads for torch. auto: from the model's size and the cores free now (small models: 1).",
 )
-def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, threads):
+@click.option(
+    "--keep-checkpoints", is_flag=True, help="Keep Trainer checkpoints (with optimizer state) after each stage."
+)
+def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, threads, keep_checkpoints):
     """Run RECIPE (a YAML file or a built-in name) into a run directory."""
     from sinv_prune.recipe import RecipeError, load_recipe
     from sinv_prune.threads import parse_threads
@@ -94,19 +107,32 @@ def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, th
         raise UsageError(str(err)) from None
     output = output or Path("runs") / parsed.name
     if dry_run:
-        _dry_run(parsed, output)
+        _dry_run(parsed, output, device=device, threads=threads)
         return
-    _run(parsed, output, overwrite=overwrite, resume=resume, device=device, quiet=quiet, threads=threads)
+    _run(
+        parsed,
+        output,
+        overwrite=overwrite,
+        resume=resume,
+        device=device,
+        quiet=quiet,
+        threads=threads,
+        keep_checkpoints=keep_checkpoints,
+    )
 
 
-def _dry_run(recipe, output: Path) -> None:
+def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str | None = "auto") -> None:
+    import time
+
     from sinv_prune.preflight import preflight
     from sinv_prune.recipe import STAGES, RecipeError
 
+    start = time.perf_counter()
     try:
         layouts = preflight(recipe)
     except RecipeError as err:
         raise UsageError(str(err)) from None
+    config_s = time.perf_counter() - start
     heads = sum(lay.num_heads for lay in layouts)
     stages = [s for s in STAGES if s in ("score", "prune", "evaluate", "report") or getattr(recipe, s, None)]
     click.echo(f"recipe {recipe.name!r} is valid; output: {output}")
@@ -118,6 +144,33 @@ def _dry_run(recipe, output: Path) -> None:
                        f"{spec.lr_scheduler}, optimizer_args {spec.optimizer_args}")  # fmt: skip
     for arm in recipe.prune.arms:
         click.echo(f"  arm {arm.label}: {arm.criterion}, amount {arm.amount}, {arm.mode}")
+    _print_estimate(recipe, device, config_s, threads)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        click.echo(f"warning: {output} exists; the run needs --overwrite (start again) or --resume (continue it)")
+
+
+def _print_estimate(recipe, device: str | None, config_s: float, threads: int | str | None) -> None:
+    """Per-stage time estimate from a short probe (a few seconds) of the model on the run's device.
+
+    The probe runs with the torch threads the run itself would choose.
+    """
+    import torch
+
+    from sinv_prune.estimate import estimate_stages, estimate_table, run_probe, split_tokens
+    from sinv_prune.threads import recipe_threads
+
+    device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    click.echo(f"probing {device} for a time estimate ...")
+    try:
+        with recipe_threads(recipe, threads):
+            probe = run_probe(recipe, device, config_s=config_s)
+    except (RuntimeError, AssertionError, OSError, ValueError) as err:  # e.g. --device cuda on a CPU-only torch
+        click.echo(f"warning: no time estimate, the probe failed on {device}: {_one_line(err)}")
+        return
+    tokens = split_tokens(recipe)
+    click.echo(estimate_table(estimate_stages(recipe, probe, tokens), probe))
+    if not tokens:
+        click.echo("note: the corpus (a Hub dataset) is not read before the run: stages sized by it count as empty")
 
 
 def _run(recipe, output: Path, **kwargs) -> None:
@@ -179,14 +232,13 @@ def prune(source: str, output: Path, heads: str, gguf_file: str | None, allow_em
     request = parse_heads(heads)
     if output.exists() and not overwrite:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
-    looks_local = os.path.isabs(source) or source.startswith(".") or source.count("/") != 1
-    if not Path(source).exists() and looks_local:
-        raise UsageError(f"{source}: no such model directory or Hub id")
+    source = _model_source(source, gguf_file)
     try:
         model = from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
         summary = prune_heads(model, request, allow_empty_layers=allow_empty_layers)
     except (OSError, ValueError) as err:
-        raise UsageError(_one_line(err)) from None
+        # The library names its keyword argument; here the user typed a flag.
+        raise UsageError(_one_line(err).replace("allow_empty_layers=True", "--allow-empty-layers")) from None
     tokenizer = _load_tokenizer(source, gguf_file)
     _save_atomically(
         output, overwrite, lambda d: (model.save_pretrained(d), tokenizer and tokenizer.save_pretrained(d))
@@ -196,13 +248,21 @@ def prune(source: str, output: Path, heads: str, gguf_file: str | None, allow_em
 
 
 @main.command()
-@click.argument("path", type=click.Path(exists=True, path_type=Path))
-def info(path: Path) -> None:
-    """Show what was removed from the pruned checkpoint at PATH and how it reloads."""
+@click.argument("source")
+def info(source: str) -> None:
+    """Show what was removed from the pruned model at SOURCE and how it reloads.
+
+    \b
+    SOURCE is one of (as for push)
+      RUN_DIR/ARM_NAME        an arm of a recipe run, by the name in its results
+      RUN_DIR/arms/DIR        an arm directory (its fine-tuned model if any, else the pruned one)
+      MODEL_DIR               any checkpoint directory, e.g. RUN_DIR/arms/DIR/pruned
+    """
     from transformers import AutoConfig
 
     from sinv_prune.record import get_record
 
+    path = _model_source(source)
     try:
         config = AutoConfig.from_pretrained(path)
         record = get_record(config)
@@ -218,6 +278,25 @@ def info(path: Path) -> None:
     for layer in range(record.num_layers):
         removed = sorted(record.pruned_heads.get(layer, []))
         click.echo(f"  layer {layer:>3}: kept {record.num_heads - len(removed):>3}  removed {removed}")
+
+
+def _model_source(source: str, gguf_file: str | None = None) -> str:
+    """The checkpoint SOURCE names, in any form ``push`` takes (RUN_DIR/ARM_NAME, RUN_DIR/arms/DIR, a
+    checkpoint directory), as :func:`sinv_prune.hub.resolve_source` finds it; other names are Hub ids."""
+    from sinv_prune.hub import PushError, resolve_source
+
+    path = Path(source)
+    if gguf_file or path.is_file() or (path / "config.json").is_file():
+        return source
+    if not path.exists() and not (path.parent / "arms").is_dir():
+        looks_local = os.path.isabs(source) or source.startswith(".") or source.count("/") != 1
+        if looks_local:
+            raise UsageError(f"{source}: no such model directory or Hub id")
+        return source
+    try:
+        return str(resolve_source(path).model_dir)
+    except PushError as err:
+        raise UsageError(str(err)) from None
 
 
 def _load_tokenizer(source: str, gguf_file: str | None):
@@ -316,6 +395,7 @@ def align(model: str, output: Path, layers: tuple[int, ...], top_k: int, gguf_fi
 
     if output.exists() and not overwrite:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
+    model = _model_source(model, gguf_file)
     try:
         out = alignment_report(
             model, output, layer=list(layers) or None, top_k=top_k,

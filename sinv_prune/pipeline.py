@@ -29,8 +29,8 @@ from sinv_prune.report import write_report
 from sinv_prune.rundir import RunDir, write_dir, write_json, write_text
 from sinv_prune.selection import model_layouts, select_heads
 from sinv_prune.surgery import count_parameters, prune_heads
-from sinv_prune.threads import choose_threads, parse_threads, recipe_params, torch_threads
-from sinv_prune.training import run_trainer
+from sinv_prune.threads import parse_threads, recipe_threads
+from sinv_prune.training import remove_checkpoints, run_trainer
 
 logger = logging.getLogger("sinv_prune")
 
@@ -43,6 +43,7 @@ class Run:
     dir: RunDir
     device: str
     quiet: bool
+    keep_checkpoints: bool = False
     tokenizer: Any = None
     ids: dict[str, torch.Tensor] = field(default_factory=dict)
     base: Any = None
@@ -65,22 +66,24 @@ def run_recipe(
     device: str | None = None,
     quiet: bool = False,
     threads: int | str | None = "auto",
+    keep_checkpoints: bool = False,
 ) -> dict:
     """Run every stage of ``recipe`` into the directory ``output``; returns ``results.json``'s content.
 
     ``threads``: torch CPU threads during the run, ``"auto"`` (see :func:`sinv_prune.threads.choose_threads`),
-    a number, or None to leave torch's setting alone.
+    a number, or None to leave torch's setting alone. Trainer checkpoints (with optimizer state,
+    several times the model's size) are deleted once their stage has saved its final model,
+    unless ``keep_checkpoints``.
     """
     preflight(recipe)
     threads = parse_threads(threads)
     device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    run = Run(recipe, RunDir.open(Path(output), overwrite=overwrite, resume=resume), device, quiet)
+    run_dir = RunDir.open(Path(output), overwrite=overwrite, resume=resume)
+    run = Run(recipe, run_dir, device, quiet, keep_checkpoints=keep_checkpoints)
     handler = _log_to_file(run.root / "run.log")
     stack = contextlib.ExitStack()
     try:
-        if threads is not None:
-            n_params = recipe_params(recipe) if threads == "auto" else None
-            stack.enter_context(torch_threads(choose_threads(threads, n_params=n_params)))
+        stack.enter_context(recipe_threads(recipe, threads))
         write_text(run.root / "recipe.yaml", recipe_to_yaml(recipe))
         logger.info("run %s in %s on %s (resume=%s)", recipe.name, run.root, device, resume)
         prepare_data(run)
@@ -151,6 +154,7 @@ def stage_train(run: Run) -> None:
     """Build or load the starting model; train it if the recipe says so; save it as ``base/``."""
     base_dir = run.root / "base"
     if run.dir.done("train"):
+        _drop_checkpoints(run, run.root / "checkpoints" / "train")  # in case a run stopped right after the stage
         run.base = from_pretrained(base_dir).to(run.device)
         return
     model = build_model(run.recipe, vocab_size=len(run.tokenizer), tokenizer=run.tokenizer)
@@ -192,6 +196,16 @@ def stage_train(run: Run) -> None:
     _save_model(model, run.tokenizer, base_dir)
     run.base = model.to(run.device).eval()
     run.dir.finish("train")
+    _drop_checkpoints(run, run.root / "checkpoints" / "train")
+
+
+def _drop_checkpoints(run: Run, trainer_dir: Path) -> None:
+    """A finished stage's Trainer checkpoints, unless the run keeps them (``run/checkpoints/`` too once empty)."""
+    if run.keep_checkpoints:
+        return
+    remove_checkpoints(trainer_dir)
+    if trainer_dir.parent.name == "checkpoints" and trainer_dir.parent.is_dir():
+        remove_checkpoints(trainer_dir.parent)
 
 
 def _save_model(model, tokenizer, path: Path) -> None:
@@ -310,10 +324,11 @@ def stage_finetune(run: Run) -> None:
     train_split = "train" if "train" in run.ids else "valid"
     for arm in run.recipe.prune.arms:
         state = run.dir.arm(arm.label)
+        arm_dir = run.root / "arms" / _safe(arm.label)
         if state.get("finetuned"):
+            _drop_checkpoints(run, arm_dir / "checkpoints")
             continue
         model = from_pretrained(run.root / state["pruned_dir"])
-        arm_dir = run.root / "arms" / _safe(arm.label)
         out = run_trainer(
             model,
             run.tokenizer,
@@ -331,6 +346,7 @@ def stage_finetune(run: Run) -> None:
         state.update(finetuned=True, finetuned_dir=str((arm_dir / "finetuned").relative_to(run.root)))
         state["finetune"] = {"steps": out.global_step, "train_loss": out.training_loss}
         run.dir.save()
+        _drop_checkpoints(run, arm_dir / "checkpoints")
         del model
     run.dir.finish("finetune")
 

@@ -8,6 +8,9 @@ the model's heads (GQA groups, the arm's layout) cannot meet.
 
 from __future__ import annotations
 
+import copy
+import functools
+import os
 from pathlib import Path
 
 import torch
@@ -55,6 +58,18 @@ def build_model(recipe: Recipe, vocab_size: int | None = None, tokenizer=None) -
 
 def head_layouts(recipe: Recipe) -> list[HeadLayout]:
     """The starting model's head layouts, from its config alone (weights on the meta device)."""
+    config, cls = starting_config(recipe)
+    with torch.device("meta"):
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    try:
+        adapter = get_adapter(model)
+    except ValueError as err:
+        raise RecipeError(f"model: {err}") from None
+    return [adapter.layout(i) for i in range(adapter.num_layers)]
+
+
+def starting_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, type]:
+    """The starting model's config and class, read without loading any weights."""
     from sinv_prune.checkpoint import model_class, pruned_class
     from sinv_prune.record import get_record
 
@@ -64,24 +79,55 @@ def head_layouts(recipe: Recipe) -> list[HeadLayout]:
         cls = getattr(transformers, SCRATCH_ARCHITECTURES[spec.architecture][1])
     else:
         path = recipe.resolve(spec.path)
+        _check_local_path(recipe)
         if spec.gguf_file and not (Path(path) / spec.gguf_file).is_file() and Path(path).is_dir():
             raise RecipeError(f"model.gguf_file: {Path(path) / spec.gguf_file} does not exist")
         kwargs = {k: v for k, v in (("gguf_file", spec.gguf_file), ("revision", spec.revision)) if v}
         try:
-            config = transformers.AutoConfig.from_pretrained(path, **kwargs)
+            config = copy.deepcopy(_read_config(path, tuple(sorted(kwargs.items())), _stamp(path, spec.gguf_file)))
         except (OSError, ValueError) as err:
             raise RecipeError(f"model.path: cannot load a config from {path!r} ({_first_line(err)})") from None
         record = get_record(config)
         cls = model_class(config, record, gguf=bool(spec.gguf_file))
         if record is not None and not record.stock_layout:
             cls = pruned_class(cls)
-    with torch.device("meta"):
-        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
-    try:
-        adapter = get_adapter(model)
-    except ValueError as err:
-        raise RecipeError(f"model: {err}") from None
-    return [adapter.layout(i) for i in range(adapter.num_layers)]
+    return config, cls
+
+
+@functools.lru_cache(maxsize=8)
+def _read_config(path: str, kwargs: tuple, stamp: int | None) -> transformers.PretrainedConfig:
+    # Cached: reading a GGUF file's config takes seconds, and a dry run reads it twice.
+    return transformers.AutoConfig.from_pretrained(path, **dict(kwargs))
+
+
+def _stamp(path: str, gguf_file: str | None) -> int | None:
+    """When the config (or GGUF) file last changed, so that the cache never serves a stale config."""
+    local = Path(path) / (gguf_file or "config.json")
+    return local.stat().st_mtime_ns if local.is_file() else None
+
+
+def looks_like_path(text: str, base_dir: Path | None = None) -> bool:
+    """Whether a model source names a local directory rather than a Hub id (``name`` or ``org/name``).
+
+    Paths: ``./x``, ``../x``, ``/x``, ``~/x``, anything with more than one slash (or a backslash
+    on Windows), and ``dir/name`` where ``dir`` exists under ``base_dir``.
+    """
+    if text.startswith(("./", "../", "~")) or text in (".", "..") or os.path.isabs(text):
+        return True
+    if (os.sep != "/" and os.sep in text) or text.count("/") > 1:
+        return True
+    return "/" in text and base_dir is not None and (base_dir / text.split("/", 1)[0]).is_dir()
+
+
+def _check_local_path(recipe: Recipe) -> None:
+    """A missing local ``model.path`` says so, instead of failing as an unknown Hub repo id."""
+    raw = recipe.model.path
+    if raw.startswith("pkg://") or not looks_like_path(raw, recipe._base_dir):
+        return
+    local = Path(raw).expanduser()
+    local = local if local.is_absolute() else recipe._base_dir / local
+    if not local.exists():
+        raise RecipeError(f"model.path: no such directory: {local}")
 
 
 def preflight(recipe: Recipe) -> list[HeadLayout]:

@@ -350,6 +350,8 @@ def load_recipe(source: str | Path, overrides: list[str] = ()) -> Recipe:
     path = Path(source)
     if not path.exists() and str(source) in builtin_recipes():
         path = builtin_recipes()[str(source)]
+    if path.is_dir():
+        raise RecipeError(f"{source}: is a directory; give a recipe file (a .yaml inside it)")
     if not path.is_file():
         known = ", ".join(builtin_recipes()) or "none"
         raise RecipeError(f"{source}: no such recipe file (built-in recipes: {known})")

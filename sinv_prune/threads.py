@@ -107,21 +107,25 @@ def recipe_params(recipe) -> int | None:
     import transformers
     from torch import nn
 
-    from sinv_prune.preflight import scratch_config
+    from sinv_prune.preflight import starting_config
+    from sinv_prune.recipe import RecipeError
 
-    spec = recipe.model
     try:
-        if spec.scratch:
-            config = scratch_config(recipe)
-        else:
-            kwargs = {k: v for k, v in (("gguf_file", spec.gguf_file), ("revision", spec.revision)) if v}
-            config = transformers.AutoConfig.from_pretrained(recipe.resolve(spec.path), **kwargs)
+        config, _ = starting_config(recipe)  # cached: a GGUF config takes seconds to read
         with torch.device("meta"):
             model = transformers.AutoModel.from_config(config)
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError, KeyError, RecipeError):
         return None
     embedded = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     return sum(p.numel() for p in model.parameters() if id(p) not in embedded)
+
+
+def recipe_threads(recipe, threads: int | str | None) -> contextlib.AbstractContextManager:
+    """The torch-thread context a run of ``recipe`` uses: ``"auto"``, a count, or None (torch's own)."""
+    if threads is None:
+        return contextlib.nullcontext()
+    n_params = recipe_params(recipe) if threads == "auto" else None
+    return torch_threads(choose_threads(threads, n_params=n_params))
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -111,3 +112,19 @@ def run_trainer(
     if last:
         logger.info("resuming training from %s", last)
     return trainer.train(resume_from_checkpoint=last)
+
+
+def remove_checkpoints(output_dir: Path) -> None:
+    """Delete the Trainer's ``checkpoint-*`` directories (weights + optimizer state) under ``output_dir``.
+
+    Called once a stage's final model is saved, when nothing can resume from them any more;
+    ``output_dir`` itself goes too if that leaves it empty.
+    """
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return
+    for path in output_dir.glob("checkpoint-*"):
+        if path.is_dir():
+            shutil.rmtree(path)
+    if not any(output_dir.iterdir()):
+        output_dir.rmdir()

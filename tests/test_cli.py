@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -43,13 +45,14 @@ def test_prune_writes_a_checkpoint_that_reloads(source, tmp_path):
 
 @pytest.mark.parametrize(
     ("heads", "message"),
-    [("0:9", "out of range"), ("0:x", "cannot parse"), ("7:0", "unknown layer"), ("0:0,1,2,3", "allow_empty_layers")],
+    [("0:9", "out of range"), ("0:x", "cannot parse"), ("7:0", "unknown layer"), ("0:0,1,2,3", "--allow-empty-layers")],
 )
 def test_bad_requests_exit_2_and_leave_nothing(source, tmp_path, heads, message):
     src, _ = source
     result = run("prune", src, tmp_path / "out", "--heads", heads)
     assert result.exit_code == 2
     assert message in result.output
+    assert "allow_empty_layers=True" not in result.output  # the CLI names its flag, not the Python keyword
     assert result.output.strip().splitlines()[-1].startswith("error:")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
@@ -70,3 +73,38 @@ def test_missing_source_exits_2(tmp_path):
     result = run("prune", tmp_path / "nope", tmp_path / "out", "--heads", "0:1")
     assert result.exit_code == 2
     assert "no such model" in result.output
+
+
+def test_group_help_shows_the_run_options():
+    result = run("--help")
+    assert result.exit_code == 0
+    for option in ("--dry-run", "--resume", "--overwrite", "--set", "--keep-checkpoints"):
+        assert option in result.output
+
+
+@pytest.fixture
+def run_dir(source, tmp_path):
+    """A run directory as the pipeline lays it out: RUN/arms/DIR/pruned and results.json naming the arm."""
+    src, _ = source
+    run_root = tmp_path / "run"
+    assert run("prune", src, run_root / "arms" / "taylor_2" / "pruned", "--heads", "0:1").exit_code == 0
+    results = {"arms": [{"name": "taylor 2", "model_dir": "arms/taylor_2/pruned"}]}
+    (run_root / "results.json").write_text(json.dumps(results))
+    return run_root
+
+
+@pytest.mark.parametrize("where", ["arms/taylor_2", "taylor 2", "arms/taylor_2/pruned"])
+def test_info_and_prune_take_every_source_form_push_takes(run_dir, tmp_path, where):
+    info = run("info", run_dir / where)
+    assert info.exit_code == 0, info.output
+    assert "removed [1]" in info.output
+    again = run("prune", run_dir / where, tmp_path / "again", "--heads", "1:0")
+    assert again.exit_code == 0, again.output
+    assert "removed [1]" in run("info", tmp_path / "again").output
+
+
+def test_info_of_an_unknown_arm_exits_2_naming_the_arms(run_dir):
+    result = run("info", run_dir / "nope")
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "taylor 2" in lines[0]

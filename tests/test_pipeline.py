@@ -7,6 +7,7 @@ import json
 import pytest
 import yaml
 from click.testing import CliRunner
+from transformers import TrainerCallback
 
 import sinv_prune
 from sinv_prune import pipeline
@@ -73,6 +74,58 @@ def test_cli_run_writes_results_report_and_plots(finished_run):
     assert (out / "plots" / "C_Q_curves.png").exists()
     assert (out / "trace.jsonl").exists() and (out / "recipe.yaml").exists() and (out / "run.log").exists()
     assert "baseline" in console and "taylor" in console  # the summary table
+
+
+def test_no_trainer_checkpoints_are_left_after_a_run(finished_run):
+    out, _ = finished_run
+    assert not list(out.rglob("checkpoint-*"))
+    assert not (out / "checkpoints").exists()
+    for arm in (out / "arms").iterdir():
+        assert sorted(p.name for p in arm.iterdir()) == ["finetuned", "pruned"]
+
+
+def test_keep_checkpoints_keeps_them(tmp_path):
+    one_arm = {
+        **TINY,
+        "train": {**TINY["train"], "tracking": None},
+        "prune": {"arms": [{"criterion": "magnitude", "amount": 2}]},
+    }
+    result = invoke(recipe_file(tmp_path, one_arm), "--output", tmp_path / "out", "--quiet", "--keep-checkpoints")
+    assert result.exit_code == 0, result.output
+    kept = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("checkpoint-*"))
+    assert kept == ["arms/magnitude-2-global/checkpoints/checkpoint-2", "checkpoints/train/checkpoint-6"]
+
+
+class StopAfterFirstSave(TrainerCallback):
+    """Interrupt a Trainer right after it wrote its first checkpoint (as a kill would)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        raise KeyboardInterrupt
+
+
+def test_resume_inside_a_finetune_continues_from_its_checkpoint(tmp_path, monkeypatch):
+    data = {**TINY, "finetune": {**TINY["finetune"], "save_every": 1}}
+    real_trainer = pipeline.run_trainer
+
+    def second_arm_stops(model, tokenizer, train, evals, spec, output_dir, **kwargs):
+        if output_dir.parent.name == "random-2-global":
+            kwargs["callbacks"] = [StopAfterFirstSave()]
+        return real_trainer(model, tokenizer, train, evals, spec, output_dir, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_trainer", second_arm_stops)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_recipe(validate_recipe(data), tmp_path / "out", quiet=True)
+    monkeypatch.undo()
+    arms = tmp_path / "out" / "arms"
+    assert not (arms / "sinv_early-2-global" / "checkpoints").exists()  # finished: its checkpoints are gone
+    assert [p.name for p in (arms / "random-2-global" / "checkpoints").iterdir()] == ["checkpoint-1"]  # still needed
+
+    result = invoke(recipe_file(tmp_path, data), "--output", tmp_path / "out", "--quiet", "--resume")
+    assert result.exit_code == 0, result.output
+    assert "resuming training from" in (tmp_path / "out" / "run.log").read_text()
+    state = json.loads((tmp_path / "out" / "state.json").read_text())
+    assert state["arms"]["random-2-global"]["finetune"]["steps"] == 2
+    assert not list((tmp_path / "out").rglob("checkpoint-*"))
 
 
 def test_each_arm_reloads_with_the_claimed_parameter_count(finished_run):
@@ -157,4 +210,56 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     result = invoke(recipe_file(tmp_path), "--output", tmp_path / "out", "--dry-run")
     assert result.exit_code == 0
     assert "2 layers, 8 heads" in result.output and "arm taylor-2-global" in result.output
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.yaml"]
+
+
+def test_dry_run_estimates_every_stage_and_a_total(tmp_path):
+    result = invoke(recipe_file(tmp_path), "--output", tmp_path / "out", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "estimate" in result.output and "probe on cpu" in result.output
+    stages = [line.split()[0:2] for line in result.output.splitlines() if line.startswith("  ")]
+    names = [" ".join(s) if s[0] in ("score", "prune", "finetune") else s[0] for s in stages]
+    arms = [a["criterion"] + "-2-global" for a in TINY["prune"]["arms"]]
+    assert names == [
+        "train:", "finetune:",  # the optimizers, with their defaults filled in
+        "arm", "arm", "arm", "arm",  # the plan
+        "start", "train", "score magnitude", "score taylor",
+        *(f"prune {a}" for a in arms), *(f"finetune {a}" for a in arms),
+        "evaluate", "report", "total"]  # fmt: skip
+    assert "warning" not in result.output
+
+
+def test_dry_run_warns_when_the_output_exists_and_leaves_it_alone(finished_run):
+    out, _ = finished_run
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    result = invoke(out.parent / "tiny.yaml", "--output", out, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert f"warning: {out} exists" in result.output and "--overwrite" in result.output and "--resume" in result.output
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+@pytest.mark.parametrize("model_path", ["./no-such-model", "models/sub/no-such-model", "present/no-such-model", "ABS"])
+def test_a_missing_local_model_path_is_named_as_a_directory(tmp_path, model_path):
+    (tmp_path / "present").mkdir()  # `present/name` is a path here, not a Hub repo id
+    model_path = str(tmp_path / "gone") if model_path == "ABS" else model_path
+    data = {
+        **TINY,
+        "model": {"path": model_path},
+        "train": None,
+        "prune": {"arms": [{"criterion": "magnitude", "amount": 2}]},
+    }
+    result = invoke(recipe_file(tmp_path, data), "--output", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model.path: no such directory: ")
+    assert lines[0].endswith(model_path.removeprefix("./")) and "repo" not in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_recipe_path_that_is_a_directory_says_so(tmp_path):
+    result = invoke(tmp_path, "--output", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == f"error: {tmp_path}: is a directory; give a recipe file (a .yaml inside it)"
     assert not (tmp_path / "out").exists()

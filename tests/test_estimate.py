@@ -1,0 +1,72 @@
+"""The dry-run time estimate: the probe's line fit and how stage times follow the recipe."""
+
+from __future__ import annotations
+
+import pytest
+
+from sinv_prune.estimate import Probe, Timing, estimate_stages, format_seconds
+from sinv_prune.recipe import validate_recipe
+
+RECIPE = {
+    "model": {"architecture": "gpt2", "config": {"n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64}},
+    "data": {"synthetic": {"seed": 0}, "tokenizer": {"kind": "word"}, "seq_len": 32},
+    "train": {"max_steps": 10, "batch_size": 8},
+    "prune": {"arms": [{"criterion": "taylor", "amount": 2}, {"criterion": "magnitude", "amount": 2}]},
+    "finetune": {"max_steps": 4, "batch_size": 8, "save_every": 100},
+    "evaluate": {"batch_size": 4, "speed_repeats": 2},
+}
+
+
+def fake_probe(fixed: float = 0.1, per_token: float = 0.001) -> Probe:
+    line = Timing([(n, fixed + per_token * n) for n in (16, 32, 64)])
+    return Probe(
+        device="cpu", threads=1, dtype="float32", config_s=1.0, build_s=0.5, param_bytes=10**8,
+        forward_backward=line, forward=Timing([(n, t / 3) for n, t in line.points]),
+        optimizer_s={"adamw": 0.2}, optimizer_bytes={"adamw": 2 * 10**8}, measures_s=0.3,
+        write_bps=10**9, read_bps=2 * 10**9, copy_bps=10**10, trainer_import_s=2.0,
+    )  # fmt: skip
+
+
+def rows(data: dict, tokens=None) -> dict[str, float]:
+    tokens = tokens or {"train": 100_000, "valid": 10_000, "test": 10_000}
+    return {r.stage: r.seconds for r in estimate_stages(validate_recipe(data), fake_probe(), tokens)}
+
+
+def test_timing_recovers_a_line_and_extrapolates_it():
+    timing = Timing([(n, 0.5 + 0.01 * n) for n in (16, 32, 64, 128)])
+    fixed, per_token = timing.line()
+    assert fixed == pytest.approx(0.5) and per_token == pytest.approx(0.01)
+    assert timing(1000) == pytest.approx(10.5)
+
+
+def test_timing_never_goes_negative_on_noisy_points():
+    timing = Timing([(16, 0.5), (32, 0.4)])  # slower at fewer tokens: noise
+    assert timing(1000) > 0.4
+    assert Timing([(16, 0.01), (32, 0.5)])(1) >= 0
+
+
+def test_finetune_time_grows_by_the_added_steps():
+    short, long = rows(RECIPE), rows({**RECIPE, "finetune": {**RECIPE["finetune"], "max_steps": 8}})
+    step = fake_probe().forward_backward(8 * 32) + 0.2
+    for arm in ("taylor-2-global", "magnitude-2-global"):
+        assert long[f"finetune {arm}"] - short[f"finetune {arm}"] == pytest.approx(4 * step)
+    assert long["train"] == short["train"] and long["evaluate"] == short["evaluate"]
+
+
+def test_checkpoints_cost_their_weights_and_optimizer_state():
+    one, four = rows(RECIPE), rows({**RECIPE, "finetune": {**RECIPE["finetune"], "save_every": 1}})
+    per_checkpoint = (10**8 + 2 * 10**8) / 10**9
+    assert four["finetune taylor-2-global"] - one["finetune taylor-2-global"] == pytest.approx(3 * per_checkpoint)
+
+
+def test_evaluation_grows_with_the_tokens_evaluated_and_the_arms():
+    small = rows({**RECIPE, "data": {**RECIPE["data"], "max_eval_tokens": 1000}})
+    large = rows({**RECIPE, "data": {**RECIPE["data"], "max_eval_tokens": 4000}})
+    assert large["evaluate"] > 3 * small["evaluate"] / 2
+    three_arms = {**RECIPE, "prune": {"arms": [*RECIPE["prune"]["arms"], {"criterion": "random", "amount": 2}]}}
+    assert rows(three_arms)["evaluate"] > rows(RECIPE)["evaluate"]
+    assert "prune random-2-global" in rows(three_arms) and "score random" not in rows(three_arms)
+
+
+def test_format_seconds():
+    assert [format_seconds(s) for s in (4.4, 65, 3600 + 25 * 60 + 10)] == ["4s", "1m 05s", "1h 25m"]
