@@ -145,7 +145,7 @@ def _collect(store: dict, layer: int, heads: int, batch: Mapping[str, Any]):
         store[layer] = {
             "sum": x.sum(0),
             "sumsq": x.square().sum(0),
-            "norm_sum": x.reshape(x.shape[0], heads, -1).norm(dim=-1).sum(0),
+            "norm_sum": x.reshape(x.shape[0], heads, x.shape[1] // heads).norm(dim=-1).sum(0),
             "tokens": torch.tensor(x.shape[0], dtype=torch.float64),
         }
 
