@@ -273,7 +273,7 @@ def test_activation_ignores_padding(which):
             flat(padded), rel=1e-5
         )
         everything = ActivationCriterion(metric=metric).compute(model, [{"input_ids": garbage}])
-        assert flat(everything) != pytest.approx(flat(changed), rel=1e-3)  # the padded positions do count without a mask
+        assert flat(everything) != pytest.approx(flat(changed), rel=1e-3)  # without a mask they count
 
 
 @pytest.mark.parametrize("metric", ["fluctuation", "magnitude"])
