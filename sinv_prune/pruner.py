@@ -48,8 +48,9 @@ class HeadPruner:
       ``layout`` and ``min_heads_per_layer`` on the current model, so in ``uniform`` mode every
       round is itself a uniform cut (all layers alike after each round). Where GQA groups or
       uniform steps make a share unreachable, the round takes the next valid cut and the later
-      rounds get less; rounds with nothing left to remove are not run (18 heads in 3 rounds:
-      6, 6, 6; 12 heads where the uniform step is 6, in 3 rounds: 6, 6).
+      rounds get less; rounds with nothing left to remove are not run (12 heads in 3 rounds
+      where a uniform cut comes in steps of 6: shares 4 -> 6, then 3 -> 6, no third round).
+      Should no valid cut fit in what is left, pruning stops there with a warning.
     * ``between_rounds(model, round_index)`` is called after every round that another round
       follows (``k - 1`` times when all ``k`` run), before the re-scoring: the place to
       compensate or fine-tune a few steps. Nothing runs after the last round; compensate or
