@@ -1,16 +1,25 @@
-"""One call from a criterion to a smaller model: score, select, remove."""
+"""One call from a criterion to a smaller model: score, select, remove (in one round or several)."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+import logging
+import operator
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torch import nn
 
+from sinv_prune.arch import get_adapter
 from sinv_prune.criteria import Criterion, Scores, TraceLike, criterion_class, get_criterion
+from sinv_prune.record import get_record
 from sinv_prune.selection import DEFAULT_LAYOUT, MODES, check_layout, model_layouts, select_heads
-from sinv_prune.surgery import PruneSummary, prune_heads
+from sinv_prune.surgery import LayerChange, PruneSummary, count_parameters, prune_heads
+
+logger = logging.getLogger(__name__)
+
+#: ``between_rounds(model, round_index)``: called after round ``round_index`` (0-based) when another follows.
+RoundHook = Callable[[nn.Module, int], None]
 
 
 class HeadPruner:
@@ -24,6 +33,33 @@ class HeadPruner:
     lose every head (``prune`` then passes ``allow_empty_layers=True``; a recipe asks for
     that with ``prune.allow_empty_layers: true``). After a call, ``last_scores``,
     ``last_selection`` and ``report()`` tell what was decided.
+
+    **Iterative pruning.** ``rounds=k`` reaches the amount in ``k`` rounds, each re-scoring the
+    already-pruned model (``batches`` are iterated once per round; a one-shot iterator is read
+    into a list first):
+
+    * The total is fixed first, on the model as given: the number of heads one-shot selection
+      would remove (a float amount is a fraction of the heads the model has when ``prune`` is
+      called, the unpruned count for a fresh model; ``exact`` and the shortfall warning apply
+      to this total).
+    * Round ``i`` asks for ``ceil(R / (k - i))`` heads, ``R`` the part of the total not yet
+      removed, and removes the smallest valid cut of at least that many (at most ``R``). "Valid"
+      is what :func:`~sinv_prune.selection.select_heads` allows with the pruner's ``mode``,
+      ``layout`` and ``min_heads_per_layer`` on the current model, so in ``uniform`` mode every
+      round is itself a uniform cut (all layers alike after each round). Where GQA groups or
+      uniform steps make a share unreachable, the round takes the next valid cut and the later
+      rounds get less; rounds with nothing left to remove are not run (12 heads in 3 rounds
+      where a uniform cut comes in steps of 6: shares 4 -> 6, then 3 -> 6, no third round).
+      Should no valid cut fit in what is left, pruning stops there with a warning.
+    * ``between_rounds(model, round_index)`` is called after every round that another round
+      follows (``k - 1`` times when all ``k`` run), before the re-scoring: the place to
+      compensate or fine-tune a few steps. Nothing runs after the last round; compensate or
+      fine-tune the result as after a one-shot cut.
+
+    ``rounds=1`` (default) is exactly one-shot pruning. ``prune`` returns one summary of all
+    rounds (``removed`` numbered as the model had its heads when ``prune`` was called);
+    ``last_selection`` is the same selection, and ``report()["per_round"]`` lists each round's
+    selection in the original (unpruned) numbering of the pruning record.
 
     >>> pruner = HeadPruner("taylor", 0.25, mode="uniform", layout="q_per_group")
     >>> summary = pruner.prune(model, batches=loader)
@@ -52,6 +88,8 @@ class HeadPruner:
         seed: int = 0,
         exact: bool = False,
         criterion_options: Mapping[str, Any] | None = None,
+        rounds: int = 1,
+        between_rounds: RoundHook | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown selection mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -72,8 +110,13 @@ class HeadPruner:
         self.min_heads_per_layer = min_heads_per_layer
         self.seed = seed
         self.exact = exact
+        self.rounds = _rounds(rounds)
+        if between_rounds is not None and not callable(between_rounds):
+            raise ValueError(f"between_rounds must be a callable (model, round_index), got {between_rounds!r}")
+        self.between_rounds = between_rounds
         self.last_scores: Scores | None = None
         self.last_selection: dict[int, list[int]] | None = None
+        self.last_rounds: list[dict] = []
 
     def score(
         self, model: nn.Module, batches: Iterable[Mapping[str, Any]] | None = None, trace: TraceLike | None = None
@@ -93,24 +136,63 @@ class HeadPruner:
         """Heads to remove, ``{layer: [heads]}``; scores are computed unless given."""
         if scores is None:
             scores = self.score(model, batches, trace)
-        self.last_selection = select_heads(
+        self.last_selection = self._select(model, scores, self.amount, self.exact)
+        return self.last_selection
+
+    def _select(self, model: nn.Module, scores: Scores, amount: int | float, exact: bool) -> dict[int, list[int]]:
+        return select_heads(
             scores,
-            self.amount,
+            amount,
             layouts=model_layouts(model),
             mode=self.mode,
             layout=self.layout,
             min_heads_per_layer=self.min_heads_per_layer,
             seed=self.seed,
-            exact=self.exact,
+            exact=exact,
         )
-        return self.last_selection
 
     def prune(
         self, model: nn.Module, batches: Iterable[Mapping[str, Any]] | None = None, trace: TraceLike | None = None
     ) -> PruneSummary:
-        """Score, select and remove the heads from ``model`` in place."""
-        heads = self.select(model, batches=batches, trace=trace)
-        return prune_heads(model, heads, allow_empty_layers=self.min_heads_per_layer == 0)
+        """Score, select and remove the heads from ``model`` in place, in ``rounds`` rounds."""
+        if self.rounds > 1 and batches is not None and iter(batches) is batches:
+            batches = list(batches)  # every round iterates them again
+        kept_at_start = _kept_original(model)
+        first = self.select(model, batches=batches, trace=trace)  # fixes the total; raises before any change
+        total = sum(map(len, first.values()))
+        summaries: list[PruneSummary] = []
+        self.last_rounds = []
+        for index in range(self.rounds):
+            remaining = total - sum(s.heads_removed for s in summaries)
+            if remaining == 0:
+                break
+            share = -(-remaining // (self.rounds - index))
+            if self.rounds == 1:
+                heads = first  # exactly one-shot
+            else:
+                if index:
+                    if self.between_rounds is not None:
+                        self.between_rounds(model, index - 1)
+                    self.score(model, batches, trace)
+                heads = self._round_heads(model, share, remaining)
+            if not heads:
+                logger.warning("sinv_prune: round %d can remove none of the %d heads left; stopping", index, remaining)
+                break
+            summaries.append(prune_heads(model, heads, allow_empty_layers=self.min_heads_per_layer == 0))
+            self.last_rounds.append(_round_entry(index, share, summaries[-1], self.criterion.report()))
+        summary = _combine(model, summaries, kept_at_start)
+        self.last_selection = {c.layer: c.removed for c in summary.layers}
+        return summary
+
+    def _round_heads(self, model: nn.Module, share: int, remaining: int) -> dict[int, list[int]]:
+        """The smallest valid cut of at least ``share`` heads and at most ``remaining``; ``{}`` if none."""
+        self._select(model, self.last_scores, 0, False)  # bad scores (shape, NaN) raise here, not below
+        for request in range(share, remaining + 1):
+            try:
+                return self._select(model, self.last_scores, request, True)
+            except ValueError:
+                continue
+        return {}
 
     def report(self) -> dict:
         """The criterion's report plus the last selection (JSON-serialisable)."""
@@ -122,11 +204,65 @@ class HeadPruner:
             "layout": self.layout,
             "min_heads_per_layer": self.min_heads_per_layer,
             "seed": self.seed,
+            "rounds": self.rounds,
             "selection": {str(k): v for k, v in (self.last_selection or {}).items()},
+            "per_round": self.last_rounds,
         }
 
     def __repr__(self) -> str:
         return (
             f"HeadPruner({self.criterion!r}, amount={self.amount!r}, mode={self.mode!r}, layout={self.layout!r}, "
-            f"min_heads_per_layer={self.min_heads_per_layer}, seed={self.seed})"
+            f"min_heads_per_layer={self.min_heads_per_layer}, seed={self.seed}, rounds={self.rounds})"
         )
+
+
+def _rounds(value) -> int:
+    if not isinstance(value, bool):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if value >= 1:
+                return value
+    raise ValueError(f"rounds must be a positive integer, got {value!r}")
+
+
+def _kept_original(model: nn.Module) -> list[list[int]]:
+    """Per layer, the original (record) index of each head the model has now."""
+    record = get_record(model.config)
+    if record is not None:
+        return [record.kept_heads(layer) for layer in range(record.num_layers)]
+    return [list(range(lay.num_heads)) for lay in model_layouts(model)]
+
+
+def _round_entry(index: int, share: int, summary: PruneSummary, criterion_report: dict) -> dict:
+    """One round for ``report()``: what it asked for, what it removed (original numbering)."""
+    return {
+        "round": index,
+        "requested": share,
+        "heads_removed": summary.heads_removed,
+        "selection": {str(c.layer): c.removed_original for c in summary.layers},
+        "criterion_report": criterion_report,
+    }
+
+
+def _combine(model: nn.Module, summaries: list[PruneSummary], kept_at_start: list[list[int]]) -> PruneSummary:
+    """One summary of several rounds, ``removed`` numbered as the layers were before the first round."""
+    if len(summaries) == 1:
+        return summaries[0]
+    if not summaries:
+        params = count_parameters(model)
+        return PruneSummary([], params, params)
+    removed: dict[int, set[int]] = {}
+    for summary in summaries:
+        for change in summary.layers:
+            removed.setdefault(change.layer, set()).update(change.removed_original)
+    adapter = get_adapter(model)
+    changes = []
+    for layer in sorted(removed):
+        original = sorted(removed[layer])
+        now = adapter.layout(layer)
+        before = [kept_at_start[layer].index(h) for h in original]
+        changes.append(LayerChange(layer, before, original, now.num_heads, now.num_kv_heads))
+    return PruneSummary(changes, summaries[0].params_before, summaries[-1].params_after)

@@ -13,6 +13,7 @@ from conftest import ARCHS, model_inputs, tiny_model
 from sinv_prune import get_adapter, head_gates, head_measures, prune_heads
 from sinv_prune.criteria import _CRITERIA as REGISTRY
 from sinv_prune.criteria import (
+    ActivationCriterion,
     Criterion,
     MagnitudeCriterion,
     SinvEarlyCriterion,
@@ -23,7 +24,7 @@ from sinv_prune.criteria import (
 )
 from sinv_prune.trace import append_trace
 
-BUILTIN = ["entropy", "magnitude", "random", "sinv_early", "sinv_static", "taylor"]
+BUILTIN = ["activation", "entropy", "magnitude", "random", "sinv_early", "sinv_gauge", "sinv_static", "taylor"]
 # A prior pruning per architecture: GQA-valid, and one layer emptied.
 PRIOR = {
     "gpt2": {0: [1], 1: [0, 1, 2, 3]},
@@ -176,6 +177,139 @@ def test_sinv_static_is_c_q_and_invert():
     assert get_criterion("sinv_static").compute(model) == cq
     inverted = get_criterion("sinv_static", invert=True).compute(model)
     assert flat(inverted) == pytest.approx([1 - x for x in flat(cq)])
+
+
+# -- sinv_gauge ---------------------------------------------------------------------------
+
+
+def test_sinv_gauge_is_c_qk_gauge_and_invert():
+    model = tiny_model("llama")
+    gauge = head_measures(model, keys=["C_QK_gauge"])["C_QK_gauge"]
+    assert get_criterion("sinv_gauge").compute(model) == gauge
+    inverted = get_criterion("sinv_gauge", invert=True).compute(model)
+    assert flat(inverted) == pytest.approx([1 - x for x in flat(gauge)])
+    with pytest.raises(ValueError, match="its options: invert"):
+        get_criterion("sinv_gauge", measure="C_Q")
+
+
+def test_sinv_gauge_sees_through_a_reparametrised_attractor_head():
+    """A head at the attractor up to a gauge (W_Q = A W, W_K = -A^-T W) goes first under sinv_gauge, not sinv_static."""
+    model = tiny_model("gpt2")
+    w = get_adapter(model).projections(1)
+    d, dim = 8, 32
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(d, dim, generator=g) * 0.05
+    a = 3 * torch.eye(d)  # C_Q = ||3W - W/3|| / (3||W|| + ||W||/3) = 0.8, above every random head's
+    with torch.no_grad():  # views of c_attn's weight: head 2 of layer 1
+        w.q[2 * d : 3 * d] = a @ base
+        w.k[2 * d : 3 * d] = -torch.linalg.inv(a).T @ base
+    gauge = get_criterion("sinv_gauge").compute(model)
+    assert gauge[1][2] == pytest.approx(0.0, abs=1e-5)
+    assert prune_order(gauge)[0] == (1, 2)
+    c_q = get_criterion("sinv_static").compute(model)
+    assert prune_order(c_q)[0] != (1, 2)  # C_Q is not gauge invariant: this head looks far from the attractor
+    assert c_q[1][2] == pytest.approx(0.8, rel=1e-4)
+
+
+# -- activation ---------------------------------------------------------------------------
+
+
+def head_outputs(model, which: str, batch: dict) -> list[torch.Tensor]:
+    """Per layer ``[B, T, H, d]``: each head's output, rebuilt from attention weights and value projections."""
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        out = model(**batch, output_attentions=True, output_hidden_states=True)
+    result = []
+    for layer, attn in enumerate(out.attentions):
+        lay, w = adapter.layout(layer), adapter.projections(layer)
+        block = adapter.layers()[layer]
+        normed = (block.ln_1 if which == "gpt2" else block.input_layernorm)(out.hidden_states[layer])
+        v = normed @ w.v.T + (w.v_bias if w.v_bias is not None else 0)  # [B, T, KV*d]
+        v = v.unflatten(-1, (lay.num_kv_heads, lay.head_dim)).transpose(1, 2)  # [B, KV, T, d]
+        v = v.repeat_interleave(lay.group_size, dim=1)
+        result.append((attn @ v).transpose(1, 2))  # [B, T, H, d]
+    return result
+
+
+@pytest.mark.parametrize("metric", ["fluctuation", "magnitude"])
+@pytest.mark.parametrize("which", ["gpt2", "llama"])
+def test_activation_matches_direct(which, metric):
+    model = tiny_model(which)
+    batches = [
+        {**model_inputs(0), "attention_mask": torch.tensor([[1] * 9, [1] * 5 + [0] * 4])},
+        model_inputs(1, length=7),
+    ]
+    scores = ActivationCriterion(metric=metric).compute(model, batches)
+    adapter = get_adapter(model)
+    for layer in range(adapter.num_layers):
+        tokens = []
+        for batch in batches:
+            x = head_outputs(model, which, batch)[layer]
+            mask = batch.get("attention_mask", torch.ones(x.shape[:2], dtype=torch.long))
+            tokens.append(x[mask.bool()].double())  # [n, H, d]
+        x = torch.cat(tokens)
+        assert x.shape[0] == 9 + 5 + 2 * 7
+        w_o = adapter.projections(layer).o.detach().double().unflatten(1, x.shape[1:])  # [D, H, d]
+        if metric == "fluctuation":
+            direct = (x.var(dim=0, unbiased=False) * w_o.square().sum(0)).sum(-1)
+        else:
+            direct = x.norm(dim=-1).mean(0) * w_o.square().sum(dim=(0, 2)).sqrt()
+        assert scores[layer] == pytest.approx(direct.tolist(), rel=1e-4)
+
+
+@pytest.mark.parametrize("which", ["llama", "bert"])
+def test_activation_ignores_padding(which):
+    model = tiny_model(which)
+    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+    batch = {**model_inputs(0), "attention_mask": mask}
+    garbage = batch["input_ids"].clone()
+    garbage[1, 6:] = torch.tensor([5, 6, 7])
+    for metric in ("fluctuation", "magnitude"):
+        padded = ActivationCriterion(metric=metric).compute(model, [batch])
+        changed = ActivationCriterion(metric=metric).compute(model, [{**batch, "input_ids": garbage}])
+        assert flat(changed) == pytest.approx(flat(padded), rel=1e-9)
+        unpadded = [{"input_ids": batch["input_ids"][:1]}, {"input_ids": batch["input_ids"][1:, :6]}]
+        assert flat(ActivationCriterion(metric=metric).compute(model, unpadded)) == pytest.approx(
+            flat(padded), rel=1e-5
+        )
+        everything = ActivationCriterion(metric=metric).compute(model, [{"input_ids": garbage}])
+        assert flat(everything) != pytest.approx(flat(changed), rel=1e-3)  # without a mask they count
+
+
+@pytest.mark.parametrize("metric", ["fluctuation", "magnitude"])
+def test_activation_rises_with_a_heads_output(metric):
+    """Scaling a head's value projection by 10 multiplies its output, so its score, and only its score, rises."""
+    model = tiny_model("gpt2")
+    batches = [model_inputs(seed) for seed in range(2)]
+    before = ActivationCriterion(metric=metric).compute(model, batches)
+    w, d = get_adapter(model).projections(2), 8
+    with torch.no_grad():
+        w.v[d : 2 * d] *= 10
+        w.v_bias[d : 2 * d] *= 10
+    after = ActivationCriterion(metric=metric).compute(model, batches)
+    factor = 100 if metric == "fluctuation" else 10
+    assert after[2][1] == pytest.approx(factor * before[2][1], rel=1e-5)
+    assert [after[2][h] for h in (0, 2, 3)] == pytest.approx([before[2][h] for h in (0, 2, 3)], rel=1e-5)
+    assert after[:2] == before[:2]
+    assert max(after[2]) == after[2][1]
+
+
+def test_activation_errors():
+    model = tiny_model("gpt2")
+    with pytest.raises(ValueError, match="unknown metric 'variance'; choose one of fluctuation, magnitude"):
+        get_criterion("activation", metric="variance")
+    with pytest.raises(ValueError, match="does not match the tokens"):
+        get_criterion("activation").compute(model, [{**model_inputs(), "attention_mask": torch.ones(2, 4)}])
+    with pytest.raises(ValueError, match="every token seen was padding"):
+        get_criterion("activation").compute(model, [{**model_inputs(), "attention_mask": torch.zeros(2, 9)}])
+    criterion = get_criterion("activation")
+    criterion.update(model, model_inputs())
+    prune_heads(model, {0: [1]})
+    with pytest.raises(ValueError, match="head counts changed"):
+        criterion.scores(model)
+    with pytest.raises(ValueError, match="head counts changed between batches"):
+        criterion.update(model, model_inputs())
+    assert len(criterion.compute(model, [model_inputs()])[0]) == 3  # compute() resets
 
 
 # -- sinv_early ---------------------------------------------------------------------------

@@ -11,11 +11,12 @@ import torch
 import yaml
 from conftest import model_inputs, model_output, tiny_model
 
-from sinv_prune import head_gates, head_measures
-from sinv_prune.criteria import Criterion, RandomCriterion
+from sinv_prune import get_adapter, head_gates, head_measures, prune_heads
+from sinv_prune.criteria import Criterion, RandomCriterion, get_criterion
 from sinv_prune.pruner import HeadPruner
 from sinv_prune.recipe import validate_recipe
-from sinv_prune.selection import model_layouts
+from sinv_prune.record import get_record
+from sinv_prune.selection import model_layouts, select_heads
 
 
 def masked_output(model, heads: dict[int, list[int]], inputs) -> torch.Tensor:
@@ -135,3 +136,129 @@ def test_docstring_recipe_is_a_valid_arm_of_the_example():
         pruner.layout,
         pruner.min_heads_per_layer,
     )
+
+
+# -- iterative pruning --------------------------------------------------------------------
+
+
+def one_shot(model, criterion: str, amount, mode: str, batches) -> dict[int, list[int]]:
+    """The one-shot path without rounds: scores, select_heads, prune_heads."""
+    scores = get_criterion(criterion).compute(model, batches)
+    heads = select_heads(scores, amount, layouts=model, mode=mode)
+    prune_heads(model, heads)
+    return heads
+
+
+@pytest.mark.parametrize(
+    ("which", "criterion", "amount", "mode"),
+    [("llama", "activation", 6, "uniform"), ("gpt2", "taylor", 0.5, "global"), ("qwen2", "magnitude", 5, "per_layer")],
+)
+def test_one_round_is_one_shot(which, criterion, amount, mode):
+    model, reference = tiny_model(which), tiny_model(which)
+    batches = [model_inputs(seed) for seed in range(2)]
+    calls = []
+    pruner = HeadPruner(criterion, amount, mode=mode, rounds=1, between_rounds=lambda m, i: calls.append(i))
+    summary = pruner.prune(model, batches=batches)
+    expected = one_shot(reference, criterion, amount, mode, batches)
+    assert pruner.last_selection == expected and expected
+    assert summary.heads_removed == sum(map(len, expected.values()))
+    assert calls == []
+    assert model.config.sinv_prune == reference.config.sinv_prune
+    reference_state = reference.state_dict()
+    assert all(torch.equal(t, reference_state[k]) for k, t in model.state_dict().items())
+    report = pruner.report()
+    assert report["rounds"] == 1 and [r["heads_removed"] for r in report["per_round"]] == [summary.heads_removed]
+
+
+@pytest.mark.parametrize(
+    ("which", "amount", "rounds", "removed_per_round"),
+    [
+        ("gpt2", 9, 3, [3, 3, 3]),  # one head per layer per round
+        ("llama", 12, 3, [6, 6]),  # a uniform q_per_group step is 6 heads: 4 and then 3 round up to 6
+        ("llama", 6, 1, [6]),
+    ],
+)
+def test_uniform_rounds_are_each_uniform_and_reach_the_amount(which, amount, rounds, removed_per_round):
+    model = tiny_model(which)
+    seen = []
+
+    def between(m, index):
+        seen.append((index, {(lay.num_heads, lay.num_kv_heads) for lay in model_layouts(m)}))
+
+    pruner = HeadPruner("magnitude", amount, mode="uniform", rounds=rounds, between_rounds=between)
+    summary = pruner.prune(model)
+    assert summary.heads_removed == amount
+    assert [r["heads_removed"] for r in pruner.report()["per_round"]] == removed_per_round
+    assert [index for index, _ in seen] == list(range(len(removed_per_round) - 1))  # after every round but the last
+    assert all(len(shapes) == 1 for _, shapes in seen)  # every layer alike after each round
+    assert len(set(model_layouts(model))) == 1
+
+
+def test_rounds_remove_a_fraction_of_the_original_heads_and_report_original_numbering():
+    model = tiny_model("gpt2")  # 12 heads
+    pruner = HeadPruner("random", 0.5, rounds=3, seed=1)
+    summary = pruner.prune(model)
+    per_round = pruner.report()["per_round"]
+    assert [r["heads_removed"] for r in per_round] == [2, 2, 2]  # half of 12, not of what is left
+    assert summary.heads_removed == 6 and sum(map(len, model.config.sinv_prune["pruned_heads"].values())) == 6
+    union: dict[str, set] = {}
+    for entry in per_round:
+        for layer, heads in entry["selection"].items():
+            assert not union.setdefault(layer, set()) & set(heads)  # original numbering: never the same head twice
+            union[layer] |= set(heads)
+    assert {k: sorted(v) for k, v in union.items() if v} == model.config.sinv_prune["pruned_heads"]
+    json.dumps(pruner.report())
+
+
+def test_rounds_rescore_after_between_rounds():
+    """What between_rounds does to the model is seen by the next round's scores."""
+    model = tiny_model("gpt2")
+    scores = get_criterion("magnitude").compute(model)
+    strongest = max(((layer, h) for layer in range(3) for h in range(4)), key=lambda lh: scores[lh[0]][lh[1]])
+
+    def zero_strongest(m, index):
+        record = get_record(m.config)
+        layer, original = strongest
+        h = record.kept_heads(layer).index(original)
+        w, d = get_adapter(m).projections(layer), 8
+        with torch.no_grad():
+            for t in (w.q[h * d : (h + 1) * d], w.k[h * d : (h + 1) * d], w.v[h * d : (h + 1) * d]):
+                t.zero_()
+            w.o[:, h * d : (h + 1) * d].zero_()
+
+    pruner = HeadPruner("magnitude", 4, rounds=2, between_rounds=zero_strongest)
+    pruner.prune(model)
+    first, second = pruner.report()["per_round"]
+    assert str(strongest[0]) not in first["selection"] or strongest[1] not in first["selection"][str(strongest[0])]
+    assert strongest[1] in second["selection"][str(strongest[0])]
+
+
+@pytest.mark.parametrize("criterion", ["taylor", "activation", "magnitude"])
+def test_rounds_on_a_pruned_model_equal_the_masked_reference(criterion):
+    """last_selection and the summary number heads as the model had them when prune() was called."""
+    model = tiny_model("llama")
+    prune_heads(model, {1: [0, 3]})  # layer 1 now has heads 1, 2, 4, 5 of the original
+    reference = copy.deepcopy(model)
+    batches = (model_inputs(seed) for seed in range(2))  # a one-shot iterator: read once, used every round
+    pruner = HeadPruner(criterion, 6, rounds=3, mode="global")
+    summary = pruner.prune(model, batches=batches)
+    assert summary.heads_removed == 6 and len(pruner.report()["per_round"]) == 3
+    assert pruner.last_selection == {c.layer: c.removed for c in summary.layers}
+    kept = get_record(reference.config).kept_heads
+    assert all([kept(c.layer)[h] for h in c.removed] == c.removed_original for c in summary.layers)
+    inputs = model_inputs(7)
+    torch.testing.assert_close(model_output(model, inputs), masked_output(reference, pruner.last_selection, inputs))
+
+
+def test_rounds_errors_before_any_change():
+    model = tiny_model("gpt2")
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="rounds must be a positive integer"):
+            HeadPruner("random", 3, rounds=bad)
+    with pytest.raises(ValueError, match="between_rounds must be a callable"):
+        HeadPruner("random", 3, rounds=2, between_rounds=3)
+    with pytest.raises(ValueError, match="larger than the 12 heads"):
+        HeadPruner("random", 13, rounds=2).prune(model)
+    with pytest.raises(ValueError, match="cannot remove exactly 4 heads in mode 'uniform'"):
+        HeadPruner("random", 4, mode="uniform", rounds=2, exact=True).prune(model)
+    assert get_record(model.config) is None

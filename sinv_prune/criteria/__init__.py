@@ -1,7 +1,7 @@
 """Head criteria: a registry from name to :class:`Criterion` class.
 
-Built in: ``random``, ``magnitude``, ``sinv_static``, ``sinv_early``, ``taylor``,
-``entropy``. Users add their own with the decorator::
+Built in: ``random``, ``magnitude``, ``sinv_static``, ``sinv_gauge``, ``sinv_early``,
+``taylor``, ``entropy``, ``activation``. Users add their own with the decorator::
 
     @register_criterion("my_score")
     class MyScore(Criterion):
@@ -71,20 +71,23 @@ def get_criterion(name: str, **options) -> Criterion:
     return cls(**options)
 
 
-from sinv_prune.criteria import entropy, magnitude, random, sinv, taylor  # noqa: E402,F401  (registration)
+from sinv_prune.criteria import activation, entropy, magnitude, random, sinv, taylor  # noqa: E402,F401  (registration)
+from sinv_prune.criteria.activation import ActivationCriterion  # noqa: E402
 from sinv_prune.criteria.entropy import EntropyCriterion  # noqa: E402
 from sinv_prune.criteria.magnitude import MagnitudeCriterion  # noqa: E402
 from sinv_prune.criteria.random import RandomCriterion  # noqa: E402
-from sinv_prune.criteria.sinv import SinvEarlyCriterion, SinvStaticCriterion  # noqa: E402
+from sinv_prune.criteria.sinv import SinvEarlyCriterion, SinvGaugeCriterion, SinvStaticCriterion  # noqa: E402
 from sinv_prune.criteria.taylor import TaylorCriterion  # noqa: E402
 
 __all__ = [
+    "ActivationCriterion",
     "Criterion",
     "EntropyCriterion",
     "MagnitudeCriterion",
     "RandomCriterion",
     "Scores",
     "SinvEarlyCriterion",
+    "SinvGaugeCriterion",
     "SinvStaticCriterion",
     "TaylorCriterion",
     "TraceLike",

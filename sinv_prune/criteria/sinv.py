@@ -6,6 +6,7 @@ prunes "heads that reach C_Q < 0.05 within the first 15 epochs", as having learn
 attention patterns. Low C_Q is therefore pruned first: the scores below rise with C_Q.
 Both criteria take ``invert=True`` to reverse the order (highest C_Q pruned first), a control
 for the paper's claim, and ``measure=`` to use another per-head measure (``"C_QK_gauge"``).
+``sinv_gauge`` is ``sinv_static`` on the gauge-invariant ``C_QK_gauge``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,28 @@ class SinvStaticCriterion(Criterion):
     def scores(self, model: nn.Module) -> Scores:
         values = _measure(model, self.measure)
         return [[1.0 - float(v) if self.invert else float(v) for v in layer] for layer in values]
+
+
+@register_criterion("sinv_gauge")
+class SinvGaugeCriterion(SinvStaticCriterion):
+    """Score = ``C_QK_gauge`` of the current weights: ``sinv_static`` made gauge invariant.
+
+    ``C_Q`` changes under ``W_Q -> A W_Q, W_K -> A^-T W_K``, which leaves attention unchanged,
+    so it can call two identical heads different. ``C_QK_gauge`` (distance of the QK circuit
+    ``W_Q^T W_K`` from the symmetric negative semi-definite matrices, relative to its norm; see
+    :mod:`sinv_prune.measures`) is 0 exactly where the head is equivalent to one at the paper's
+    attractor ``W_Q = -W_K``. As with ``C_Q``, the paper's reading is that heads at the attractor
+    have converged to trivial patterns, so the lowest values are pruned first; ``invert=True``
+    scores ``1 - C_QK_gauge`` (highest pruned first, a control). Data-free.
+
+    .. code-block:: yaml
+
+        criterion: sinv_gauge
+        options: {invert: false}
+    """
+
+    def __init__(self, invert: bool = False):
+        super().__init__(measure="C_QK_gauge", invert=invert)
 
 
 @register_criterion("sinv_early")
