@@ -18,7 +18,7 @@ import transformers
 from torch import nn
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.arch.base import HeadLayout
+from sinv_prune.arch.base import HeadAdapter, HeadLayout
 from sinv_prune.recipe import SCRATCH_ARCHITECTURES, Recipe, RecipeError
 
 
@@ -56,16 +56,40 @@ def build_model(recipe: Recipe, vocab_size: int | None = None, tokenizer=None) -
     return from_pretrained(recipe.resolve(spec.path), **kwargs)
 
 
-def head_layouts(recipe: Recipe) -> list[HeadLayout]:
-    """The starting model's head layouts, from its config alone (weights on the meta device)."""
+def meta_adapter(recipe: Recipe) -> HeadAdapter:
+    """The adapter of the starting model, built from its config alone (weights on the meta device)."""
     config, cls = starting_config(recipe)
     with torch.device("meta"):
         model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
     try:
-        adapter = get_adapter(model)
+        return get_adapter(model)
     except ValueError as err:
         raise RecipeError(f"model: {err}") from None
+
+
+def head_layouts(recipe: Recipe) -> list[HeadLayout]:
+    """The starting model's head layouts, from its config alone."""
+    adapter = meta_adapter(recipe)
     return [adapter.layout(i) for i in range(adapter.num_layers)]
+
+
+def check_symmetry_breaking(recipe: Recipe, adapter: HeadAdapter) -> None:
+    """Symmetry breaking only where a checkpoint can carry E[b] (see :mod:`sinv_prune.symmetry.folding`)."""
+    from sinv_prune.symmetry.folding import fold_plan
+
+    for stage in ("train", "finetune"):
+        spec = getattr(recipe, stage)
+        setting = spec.symmetry_breaking if spec is not None else None
+        if setting is None:
+            continue
+        kinds = tuple(k for k in ("q", "v") if getattr(setting, f"b_{k}") is not None)
+        if not kinds:
+            raise RecipeError(f"{stage}.symmetry_breaking: b_q and b_v are both null: nothing to add")
+        try:
+            for layer in range(adapter.num_layers):
+                fold_plan(adapter.attention(layer), adapter.model.config, kinds)
+        except ValueError as err:
+            raise RecipeError(f"{stage}.symmetry_breaking: {_first_line(err)}") from None
 
 
 def starting_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, type]:
@@ -150,7 +174,9 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
             )
     for i, name in enumerate(recipe.score.criteria):
         _check_criterion(criterion_class, name, f"score.criteria[{i}]")
-    layouts = head_layouts(recipe)
+    adapter = meta_adapter(recipe)
+    check_symmetry_breaking(recipe, adapter)
+    layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
     total = sum(lay.num_heads for lay in layouts)
     for i, arm in enumerate(recipe.prune.arms):
         if isinstance(arm.amount, int) and arm.amount > total:

@@ -39,6 +39,13 @@ TINY = {
 }
 
 
+MISTRAL = {
+    "architecture": "mistral",
+    "config": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
+               "intermediate_size": 48},
+}  # fmt: skip
+
+
 def recipe_file(tmp_path, data=TINY):
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -194,6 +201,10 @@ def test_existing_output_is_not_overwritten(finished_run):
         (yaml.safe_dump({**TINY, "model": {"architecture": "t5"}}), "unknown architecture"),
         (yaml.safe_dump({**TINY, "data": {"files": {"test": "missing.txt"}, "tokenizer": {"kind": "word"}}}),
          "does not exist"),
+        (yaml.safe_dump({**TINY, "model": MISTRAL, "train": {**TINY["train"], "symmetry_breaking": {}}}),
+         "train.symmetry_breaking: mistral: q_proj, v_proj have no bias"),
+        (yaml.safe_dump({**TINY, "train": {**TINY["train"], "symmetry_breaking": {"b_q": None, "b_v": None}}}),
+         "train.symmetry_breaking: b_q and b_v are both null"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_with_one_line_and_no_output(tmp_path, text, message):
