@@ -87,6 +87,7 @@ def head_layouts(recipe: Recipe) -> list[HeadLayout]:
 def preflight(recipe: Recipe) -> list[HeadLayout]:
     """Check what can be checked before any work; returns the starting model's head layouts."""
     from sinv_prune.criteria import criterion_class
+    from sinv_prune.distill import check_teacher
     from sinv_prune.selection import select_heads
 
     files = recipe.data.files
@@ -104,6 +105,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
             )
     for i, name in enumerate(recipe.score.criteria):
         _check_criterion(criterion_class, name, f"score.criteria[{i}]")
+    check_teacher(recipe)
     layouts = head_layouts(recipe)
     total = sum(lay.num_heads for lay in layouts)
     for i, arm in enumerate(recipe.prune.arms):
