@@ -390,3 +390,18 @@ def test_recipe_with_distill_runs_records_resumes_and_reloads(tmp_path, monkeypa
     report = (out / "report.md").read_text()
     assert "Fine-tuned by distillation from the teacher `base` (temperature 2, alpha 0.7" in report
     assert "`magnitude-2-global`, `random-2-global`" in report
+
+
+def test_a_teacher_of_another_vocabulary_or_task_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    tiny_model("gpt2").save_pretrained(tmp_path / "teacher")
+    recipe = validate_recipe({**BASE, "finetune": {"distill": {"teacher": str(tmp_path / "teacher")}}})
+    run = SimpleNamespace(recipe=recipe, root=tmp_path)
+    assert pipeline.load_teacher(run, tiny_model("gpt2", seed=1)).training is False  # same vocabulary: fine
+    with pytest.raises(pipeline.RunStageError, match=r"its vocabulary has 64 tokens, the student's 80"):
+        student = tiny_model("gpt2")
+        student.resize_token_embeddings(80)
+        pipeline.load_teacher(run, student)
+    with pytest.raises(pipeline.RunStageError, match="a causal LM cannot teach a masked LM"):
+        pipeline.load_teacher(run, tiny_model("bert"))
