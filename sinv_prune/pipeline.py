@@ -317,11 +317,13 @@ def stage_prune(run: Run) -> None:
 
 
 def stage_finetune(run: Run) -> None:
+    """Fine-tune every arm (LM loss, or distillation from one teacher loaded once for all arms)."""
     spec = run.recipe.finetune
     if spec is None or run.dir.done("finetune"):
         return
     seq = run.recipe.data.seq_len
     train_split = "train" if "train" in run.ids else "valid"
+    teacher = None
     for arm in run.recipe.prune.arms:
         state = run.dir.arm(arm.label)
         arm_dir = run.root / "arms" / _safe(arm.label)
@@ -329,6 +331,8 @@ def stage_finetune(run: Run) -> None:
             _drop_checkpoints(run, arm_dir / "checkpoints")
             continue
         model = from_pretrained(run.root / state["pruned_dir"])
+        if spec.distill is not None and teacher is None:
+            teacher = load_teacher(run, model)
         out = run_trainer(
             model,
             run.tokenizer,
@@ -341,14 +345,37 @@ def stage_finetune(run: Run) -> None:
             device=run.device,
             quiet=run.quiet,
             resume=True,
+            teacher=teacher,
         )
         _save_model(model, run.tokenizer, arm_dir / "finetuned")
         state.update(finetuned=True, finetuned_dir=str((arm_dir / "finetuned").relative_to(run.root)))
         state["finetune"] = {"steps": out.global_step, "train_loss": out.training_loss}
+        if spec.distill is not None:
+            state["finetune"]["distill"] = spec.distill.model_dump()
         run.dir.save()
         _drop_checkpoints(run, arm_dir / "checkpoints")
         del model
+    del teacher
     run.dir.finish("finetune")
+
+
+def load_teacher(run: Run, student):
+    """The distillation teacher, from disk (``base`` is the run's saved starting model); checked against ``student``."""
+    name = run.recipe.finetune.distill.teacher
+    path = run.root / "base" if name == "base" else Path(run.recipe.resolve(name))
+    teacher = from_pretrained(path)
+    where = f"finetune.distill.teacher ({name})"
+    if is_masked_lm(teacher) != is_masked_lm(student):
+        raise RunStageError(f"{where}: a {_task(teacher)} cannot teach a {_task(student)}")
+    sizes = [m.get_output_embeddings().weight.shape[0] for m in (teacher, student)]
+    if sizes[0] != sizes[1]:
+        raise RunStageError(f"{where}: its vocabulary has {sizes[0]} tokens, the student's {sizes[1]}")
+    logger.info("distillation teacher: %s (%s)", name, path)
+    return teacher.eval().requires_grad_(False)
+
+
+def _task(model) -> str:
+    return "masked LM" if is_masked_lm(model) else "causal LM"
 
 
 # -- evaluation and report ----------------------------------------------------------------------
@@ -431,6 +458,7 @@ def stage_evaluate(run: Run) -> dict:
             tuned = from_pretrained(run.root / state["finetuned_dir"])
             row["finetuned"] = evaluate_model(run, tuned, f"{arm.label} (fine-tuned)")
             row["model_dir"] = state["finetuned_dir"]
+            row["distill"] = state.get("finetune", {}).get("distill")
             del tuned
         final = row.get("finetuned", row["pruned"])
         row["params"] = final["params"]

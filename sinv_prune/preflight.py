@@ -157,6 +157,7 @@ def _check_local_path(recipe: Recipe) -> None:
 def preflight(recipe: Recipe) -> list[HeadLayout]:
     """Check what can be checked before any work; returns the starting model's head layouts."""
     from sinv_prune.criteria import criterion_class
+    from sinv_prune.distill import check_teacher
     from sinv_prune.selection import select_heads
 
     files = recipe.data.files
@@ -174,6 +175,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
             )
     for i, name in enumerate(recipe.score.criteria):
         _check_criterion(criterion_class, name, f"score.criteria[{i}]")
+    check_teacher(recipe)
     adapter = meta_adapter(recipe)
     check_symmetry_breaking(recipe, adapter)
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]

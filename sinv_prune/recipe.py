@@ -13,6 +13,7 @@ Example (see ``recipes/`` for complete ones)::
       arms:
         - {criterion: taylor, amount: 4}
         - {criterion: random, amount: 4, seed: 1}
+    finetune: {max_steps: 200, distill: {teacher: base, temperature: 2.0, alpha: 0.5}}
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -150,6 +151,22 @@ OPTIMIZER_RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+class DistillSpec(Strict):
+    """Fine-tune by distillation (``finetune.distill`` only): match a frozen teacher's logits.
+
+    The training loss is ``alpha * T**2 * KL(teacher_T || student_T) + (1 - alpha) * LM loss``, with
+    ``T = temperature`` softening both distributions and the KL averaged over the tokens that carry a
+    label (every next-token position of a causal LM, the masked positions of a masked LM):
+    ``alpha: 1`` is pure distillation, ``alpha: 0`` plain LM fine-tuning. ``teacher``: ``base``
+    (the run's unpruned starting model, after ``train`` if there is one) or a local checkpoint
+    directory (relative to the recipe file) with the same vocabulary. See :mod:`sinv_prune.distill`.
+    """
+
+    teacher: str = Field("base", min_length=1)
+    temperature: float = Field(2.0, gt=0)
+    alpha: float = Field(0.5, ge=0, le=1)
+
+
 class TrainSpec(Strict):
     """Trainer settings, shared by ``train`` and ``finetune``.
 
@@ -159,7 +176,12 @@ class TrainSpec(Strict):
     error; ``lr`` and ``weight_decay`` are ``learning_rate`` and ``weight_decay``). What the recipe
     leaves out of ``learning_rate``, ``lr_scheduler`` and ``optimizer_args`` comes from
     :data:`OPTIMIZER_RECIPE_DEFAULTS` for the optimizer, and the resolved recipe shows it.
+    ``distill`` (:class:`DistillSpec`, ``finetune`` only) makes the loss a distillation loss; with
+    ECD, ``F0`` must then sit below that combined loss.
     """
+
+    #: Whether ``distill`` may be set: only the fine-tune has a teacher (the model ``train`` produces).
+    distill_allowed: ClassVar[bool] = False
 
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
@@ -175,6 +197,14 @@ class TrainSpec(Strict):
     eval_every: int | None = Field(None, gt=0)
     save_every: int = Field(200, gt=0)
     tracking: TrackingSpec | None = None
+    distill: DistillSpec | None = None
+
+    @field_validator("distill", mode="before")
+    @classmethod
+    def _finetune_only(cls, v: Any) -> Any:
+        if v is not None and not cls.distill_allowed:
+            raise ValueError("distillation is only for finetune (its teacher, base, is the model train produces)")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -205,6 +235,12 @@ class TrainSpec(Strict):
 
             check_optimizer_args(optimizer, args)
         return args
+
+
+class FinetuneSpec(TrainSpec):
+    """The ``finetune`` stage: :class:`TrainSpec`'s settings, plus ``distill`` (see :class:`DistillSpec`)."""
+
+    distill_allowed: ClassVar[bool] = True
 
 
 class ScoreSpec(Strict):
@@ -294,7 +330,7 @@ class Recipe(Strict):
     train: TrainSpec | None = None
     score: ScoreSpec = Field(default_factory=ScoreSpec)
     prune: PruneSpec
-    finetune: TrainSpec | None = None
+    finetune: FinetuneSpec | None = None
     evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
     report: ReportSpec = Field(default_factory=ReportSpec)
     push: PushSpec | None = None

@@ -96,6 +96,21 @@ def speed_note(results: dict) -> str | None:
     )
 
 
+def distill_note(results: dict) -> str | None:
+    """Which arms were fine-tuned by distillation, from which teacher, with which temperature and alpha."""
+    settings: dict[tuple, list[str]] = {}
+    for arm in results["arms"]:
+        if arm.get("distill"):
+            d = arm["distill"]
+            settings.setdefault((d["teacher"], d["temperature"], d["alpha"]), []).append(f"`{arm['name']}`")
+    notes = [
+        f"Fine-tuned by distillation from the teacher `{teacher}` (temperature {t:g}, alpha {a:g}; loss = "
+        f"alpha T^2 KL(teacher || student) + (1 - alpha) LM loss): {', '.join(names)}."
+        for (teacher, t, a), names in settings.items()
+    ]
+    return " ".join(notes) or None
+
+
 def markdown_report(results: dict, recipe: Recipe) -> str:
     rows = summary_rows(results)
     run = results.get("run", {})
@@ -112,6 +127,9 @@ def markdown_report(results: dict, recipe: Recipe) -> str:
     for row in rows:
         lines.append("| " + " | ".join(format_cell(v) for v in row.values()) + " |")
     note = speed_note(results)
+    if note:
+        lines += ["", note]
+    note = distill_note(results)
     if note:
         lines += ["", note]
     crossed = [a for a in results["arms"] if "crossed" in a.get("score_report", {})]

@@ -60,8 +60,18 @@ def run_trainer(
     quiet: bool,
     callbacks: list[TrainerCallback] = (),
     resume: bool = False,
+    teacher: torch.nn.Module | None = None,
 ):
-    """Train ``model`` in place; returns the Trainer's ``TrainOutput``. Checkpoints go to ``output_dir``."""
+    """Train ``model`` in place; returns the Trainer's ``TrainOutput``. Checkpoints go to ``output_dir``.
+
+    With ``spec.distill`` the loss is the distillation loss of :mod:`sinv_prune.distill` against
+    ``teacher`` (required then; frozen, moved to the trainer's device, never saved).
+    """
+    distill = getattr(spec, "distill", None)
+    if distill is not None and teacher is None:
+        raise ValueError("spec.distill is set but no teacher model was given")
+    if distill is None and teacher is not None:
+        raise ValueError("a teacher model was given but spec.distill is not set")
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=mlm, mlm_probability=0.15, seed=seed)
     if spec.symmetry_breaking is not None:
         _add_symmetry_breaking(model, spec.symmetry_breaking)
@@ -97,6 +107,12 @@ def run_trainer(
         from sinv_prune.symmetry import ClosureTrainer
 
         trainer_cls = ClosureTrainer
+    extra = {}
+    if distill is not None:
+        from sinv_prune.distill import distill_trainer_class
+
+        trainer_cls = distill_trainer_class(trainer_cls)
+        extra = {"teacher": teacher, "temperature": distill.temperature, "alpha": distill.alpha, "causal": not mlm}
     trainer = trainer_cls(
         model=model,
         optimizer_cls_and_kwargs=(optimizer_cls, optimizer_kwargs),
@@ -105,6 +121,7 @@ def run_trainer(
         eval_dataset=eval_blocks,
         data_collator=collator,
         callbacks=[LogToLogger(), *callbacks],
+        **extra,
     )
     if quiet:
         trainer.remove_callback(PrinterCallback)
