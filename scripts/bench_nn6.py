@@ -323,8 +323,9 @@ def paper_arithmetic(layers=6, heads=8, d_model=512, pruned=5) -> dict:
     for vocab, name in ((33_278, "WikiText-2 word vocabulary (33,278)"), (50_257, "GPT-2 BPE vocabulary (50,257)")):
         config = transformers.GPT2Config(vocab_size=vocab, n_positions=1024, n_embd=d_model, n_layer=layers,
                                          n_head=heads, bos_token_id=None, eos_token_id=None)  # fmt: skip
-        with torch.device("meta"):  # shapes only: counting needs no memory
+        with torch.device("meta"):  # shapes only: no initialisation
             model = transformers.GPT2LMHeadModel(config)
+        model.to_empty(device="cpu")  # prune_heads refuses meta weights; uninitialised memory is enough to count
         before = count_parameters(model)
         summary = prune_heads(model, {0: list(range(pruned))})
         out["models"].append({"vocab": name, "before": before, "after": summary.params_after,
