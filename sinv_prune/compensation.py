@@ -362,7 +362,7 @@ def _run(block: nn.Module, hidden: torch.Tensor, inp: BlockInput) -> torch.Tenso
 
 def _rows(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Tokens as rows ``[n, features]``, padding dropped."""
-    x = x.reshape(-1, x.shape[-1])
+    x = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # not -1: a layer without heads has zero features
     return x if valid is None else x[valid]
 
 
