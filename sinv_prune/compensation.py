@@ -14,6 +14,8 @@
 The inputs of the first block are caught with a forward pre-hook that stops the model's forward
 (the "Catcher" trick); the blocks then run one at a time. A :class:`Cut` names one consumer and
 the columns it keeps, so MLP channels (the down projection) go through the same code as heads.
+Alive at once: the two streams and one consumer's targets (each tokens x hidden width, in the
+model's dtype) and one consumer's statistics (float64, width^2).
 """
 
 from __future__ import annotations
@@ -80,7 +82,11 @@ class CompensationReport:
 
 @dataclass
 class Cut:
-    """One consumer of a block losing input columns: ``apply()`` slices the block, ``kept`` columns stay."""
+    """One consumer of a block losing input columns: ``apply()`` slices the block, ``kept`` columns stay.
+
+    ``kept`` and ``removed`` index the unpruned consumer's input. A block's cuts are listed in
+    forward order (attention output projection before the MLP down projection).
+    """
 
     unit: str
     consumer: nn.Module

@@ -22,7 +22,8 @@ class ConsumerFit:
     """``G = [X 1]^T [X 1]``, ``C = [X 1]^T Y`` and ``|Y|^2`` of one consumer, accumulated batch by batch.
 
     ``bias`` adds the column of ones (fit a bias too). Statistics are kept in ``dtype``
-    (float64 by default) on ``device``; rows are tokens.
+    (float64 by default; pass float32 where float64 is slow, as on consumer GPUs) on ``device``;
+    rows are tokens.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, device: torch.device, dtype=torch.float64):
