@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sinv_prune import compensation
 from sinv_prune.arch import HeadAdapter, get_adapter
+from sinv_prune.compensation import CompensationReport
 from sinv_prune.record import PruningRecord, get_record, set_record
 
 
@@ -27,23 +29,27 @@ class LayerChange:
 
 @dataclass
 class PruneSummary:
-    """Returned by :func:`prune_heads`: per-layer changes and parameter counts."""
+    """Returned by :func:`prune_heads`: per-layer changes, parameter counts, compensation (when asked)."""
 
     layers: list[LayerChange]
     params_before: int
     params_after: int
+    compensation: CompensationReport | None = None
 
     @property
     def heads_removed(self) -> int:
         return sum(len(c.removed) for c in self.layers)
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "params_before": self.params_before,
             "params_after": self.params_after,
             "heads_removed": self.heads_removed,
             "layers": [vars(c) for c in self.layers],
         }
+        if self.compensation is not None:
+            data["compensation"] = self.compensation.to_dict()
+        return data
 
     def __str__(self) -> str:
         lines = [f"{'layer':>5} {'removed':>7} {'kept':>4} {'kv':>3}  removed (original numbering)"]
@@ -51,6 +57,8 @@ class PruneSummary:
             lines.append(f"{c.layer:>5} {len(c.removed):>7} {c.kept:>4} {c.kept_kv:>3}  {c.removed_original}")
         ratio = self.params_after / self.params_before
         lines.append(f"parameters: {self.params_before:,} -> {self.params_after:,} ({ratio:.2%})")
+        if self.compensation is not None:
+            lines.append(str(self.compensation))
         return "\n".join(lines)
 
 
@@ -60,7 +68,14 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def prune_heads(
-    model: nn.Module, heads: Mapping[int, Iterable[int]], *, allow_empty_layers: bool = False
+    model: nn.Module,
+    heads: Mapping[int, Iterable[int]],
+    *,
+    allow_empty_layers: bool = False,
+    calibration: Iterable[Mapping] | None = None,
+    compensate: str | None = None,
+    ridge: float = compensation.DEFAULT_RIDGE,
+    add_bias: bool = False,
 ) -> PruneSummary:
     """Remove attention heads from ``model`` in place.
 
@@ -74,6 +89,19 @@ def prune_heads(
     error part-way through restores the model (weights, sizes, forwards, class and
     config) before it propagates. The config records the removed heads in the original
     numbering, so ``save_pretrained`` writes a checkpoint that reloads.
+
+    Compensation (:mod:`sinv_prune.compensation`) re-fits what remains from ``calibration``
+    (an iterable of batches: dicts with ``input_ids`` and optionally ``attention_mask``,
+    whose padding is left out). ``compensate="lsq"`` refits each pruned layer's output
+    projection (and its bias, where it has one) by ridge least squares, layer by layer on the
+    already-pruned model's inputs, so that the layer reproduces the unpruned attention output;
+    ``ridge`` is relative to the mean diagonal of the inputs' Gram matrix and pulls towards the
+    plainly pruned weights. ``compensate="bias"`` (FLAP) adds the removed heads' mean
+    contribution on the unpruned model to the output-projection bias. LLaMA-family output
+    projections have no bias: ``add_bias=True`` gives every attention projection a zero bias
+    and sets ``config.attention_bias`` (LLaMA, Qwen3; needed for ``"bias"``). The summary's
+    ``compensation`` reports, per layer, the output projection's relative error before and
+    after the refit. ``compensate=None`` (default) prunes exactly as without these arguments.
     """
     from sinv_prune.checkpoint import finalize_checkpoint_format
 
@@ -81,27 +109,33 @@ def prune_heads(
     refusal = unprunable_reason(model, adapter)
     if refusal:
         raise ValueError(f"cannot prune this model: {refusal}")
+    compensation.check_options(model, adapter, compensate, calibration, ridge, add_bias)
     plan = plan_removal(adapter, heads, allow_empty_layers=allow_empty_layers)
     if not plan:  # nothing to remove: leave class and config as they are
         params = count_parameters(model)
         return PruneSummary([], params, params)
+    inputs = compensation.capture_block_inputs(model, adapter, calibration) if compensate else None
     before = count_parameters(model)
-    snapshot = _Snapshot.take(model, adapter, plan)
+    snapshot = _Snapshot.take(model, adapter, range(adapter.num_layers) if add_bias and compensate else plan)
     try:
         record = get_record(model.config) or _fresh_record(model, adapter)
-        changes = []
+        changes, report = [], None
         for layer, (removed, keep_q, keep_kv) in plan.items():
             kept_original = record.kept_heads(layer)
             removed_original = [kept_original[h] for h in removed]
             record.pruned_heads[layer] = sorted(set(record.pruned_heads.get(layer, [])) | set(removed_original))
-            apply_layer(adapter, layer, keep_q, keep_kv)
+            if not compensate:
+                apply_layer(adapter, layer, keep_q, keep_kv)
             changes.append(LayerChange(layer, removed, removed_original, len(keep_q), len(keep_kv)))
+        if compensate:
+            cuts = compensation.head_cuts(adapter, plan, lambda layer: apply_layer(adapter, layer, *plan[layer][1:]))
+            report = compensation.run_compensation(model, adapter, cuts, inputs, compensate, ridge, add_bias)
         set_record(model.config, record)
         finalize_checkpoint_format(model, adapter, record)
     except BaseException:
         snapshot.restore()
         raise
-    return PruneSummary(changes, before, count_parameters(model))
+    return PruneSummary(changes, before, count_parameters(model), report)
 
 
 def unprunable_reason(model: nn.Module, adapter: HeadAdapter) -> str | None:

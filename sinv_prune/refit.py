@@ -1,0 +1,101 @@
+"""Least-squares refit of a consumer linear over its kept input columns.
+
+The *consumer* of a prunable unit is the linear layer that reads it: the attention output
+projection for heads (LLaMA ``o_proj``, GPT-2 ``attn.c_proj``, BERT ``attention.output.dense``),
+the MLP down projection for channels (``down_proj``, GPT-2 ``mlp.c_proj``, BERT ``output.dense``).
+Once units are gone the consumer sees only its kept columns ``X``; :class:`ConsumerFit`
+accumulates the normal equations of ``min ||[X 1] [W b]^T - Y||^2`` over calibration tokens,
+``Y`` being the unpruned consumer's output, so that a ridge solve gives the weights that best
+reproduce it. Memory is O(width^2) whatever the number of tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from sinv_prune.arch.base import linear_weight
+
+
+class ConsumerFit:
+    """``G = [X 1]^T [X 1]``, ``C = [X 1]^T Y`` and ``|Y|^2`` of one consumer, accumulated batch by batch.
+
+    ``bias`` adds the column of ones (fit a bias too). Statistics are kept in ``dtype``
+    (float64 by default; pass float32 where float64 is slow, as on consumer GPUs) on ``device``;
+    rows are tokens.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, device: torch.device, dtype=torch.float64):
+        self.in_features, self.bias = in_features, bias
+        width = in_features + int(bias)
+        self.gram = torch.zeros(width, width, dtype=dtype, device=device)
+        self.cross = torch.zeros(width, out_features, dtype=dtype, device=device)
+        self.target_sq = torch.zeros((), dtype=dtype, device=device)
+        self.tokens = 0
+
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add tokens: ``x`` ``[n, in_features]`` (kept inputs), ``y`` ``[n, out_features]`` (target outputs)."""
+        x, y = x.to(self.gram), y.to(self.gram)
+        if self.bias:
+            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+        self.gram.addmm_(x.T, x)
+        self.cross.addmm_(x.T, y)
+        self.target_sq += y.square().sum()
+        self.tokens += x.shape[0]
+
+    def solve(self, weight: torch.Tensor, bias: torch.Tensor | None, ridge: float) -> tuple[torch.Tensor, ...]:
+        """Ridge least squares pulled towards ``(weight, bias)`` (``[out, in]``, ``[out]``); returns the fit.
+
+        Minimises ``|[X 1][W b]^T - Y|^2 + lam |W - weight|^2`` with ``lam = ridge x mean diag(X^T X)``;
+        the bias is not penalised. Starting from the plainly pruned weights, the result never fits
+        the calibration tokens worse than they do, and a large ``ridge`` returns them unchanged.
+        """
+        if not self.gram.numel():  # no columns and no bias: nothing to fit
+            return weight, bias
+        start = self._stack(weight, bias)
+        features = self.in_features
+        lam = ridge * self.gram.diagonal()[:features].mean() if features else 0.0
+        system = self.gram.clone()
+        system.diagonal()[:features] += lam
+        rhs = self.cross - self.gram @ start  # solve for the step from the start
+        factor, info = torch.linalg.cholesky_ex(system)
+        if info.item() == 0:
+            step = torch.cholesky_solve(rhs, factor)
+        else:  # singular (ridge 0 and dependent columns): the smallest step that fits
+            step = torch.linalg.pinv(system, hermitian=True) @ rhs
+        fitted = (start + step).T
+        return (fitted[:, :features], fitted[:, features]) if self.bias else (fitted, None)
+
+    def relative_error(self, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
+        """``|[X 1][W b]^T - Y| / |Y|`` (Frobenius norms over every token) for the given weights."""
+        w = self._stack(weight, bias)
+        err = (w * (self.gram @ w)).sum() - 2 * (w * self.cross).sum() + self.target_sq
+        return float((err.clamp_min(0) / self.target_sq.clamp_min(torch.finfo(err.dtype).tiny)).sqrt())
+
+    def _stack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``[W b]^T`` as ``[in (+1), out]`` in the statistics' dtype."""
+        w = weight.detach().to(self.gram).T
+        if self.bias:
+            b = bias.detach().to(self.gram) if bias is not None else w.new_zeros(w.shape[1])
+            w = torch.cat([w, b[None]], dim=0)
+        return w
+
+
+def consumer_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A Linear's or Conv1D's ``([out, in] weight, bias or None)``, detached."""
+    bias = getattr(module, "bias", None)
+    return linear_weight(module).detach(), None if bias is None else bias.detach()
+
+
+def write_consumer(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Give a Linear or Conv1D new ``[out, in]`` weights (and bias), as new parameters in its dtype and device.
+
+    Parameters are replaced, not written in place, so a caller holding the old ones (the
+    rollback of :func:`~sinv_prune.prune_heads`) keeps them intact.
+    """
+    old = module.weight
+    value = weight.T if isinstance(module, Conv1D) else weight
+    module.weight = nn.Parameter(value.to(old).contiguous(), requires_grad=old.requires_grad)
+    if bias is not None:
+        module.bias = nn.Parameter(bias.to(old).contiguous(), requires_grad=module.bias.requires_grad)
