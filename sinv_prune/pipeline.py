@@ -24,6 +24,7 @@ from sinv_prune.checkpoint import from_pretrained
 from sinv_prune.criteria import get_criterion
 from sinv_prune.evaluation import compare_speed, mlm_loss, parameter_breakdown, perplexity, speedup_fields
 from sinv_prune.preflight import build_model, is_masked_lm, preflight
+from sinv_prune.pruner import HeadPruner
 from sinv_prune.recipe import ArmSpec, Recipe, recipe_to_yaml
 from sinv_prune.report import write_report
 from sinv_prune.rundir import RunDir, write_dir, write_json, write_text
@@ -298,9 +299,15 @@ def stage_prune(run: Run) -> None:
         state = run.dir.arm(arm.label)
         if state.get("pruned"):
             continue
-        heads = arm_heads(run, arm, scores)
         model = copy.deepcopy(run.base)
-        summary = prune_heads(model, heads, allow_empty_layers=run.recipe.prune.allow_empty_layers)
+        calibration = _calibration_batches(run, arm.compensate) if arm.compensate else None
+        options = arm.compensate.prune_options() if arm.compensate else {}
+        if arm.rounds > 1:
+            summary, state["rounds"] = _prune_in_rounds(run, arm, model, calibration, options)
+        else:
+            heads = arm_heads(run, arm, scores)
+            allow_empty = run.recipe.prune.allow_empty_layers
+            summary = prune_heads(model, heads, allow_empty_layers=allow_empty, calibration=calibration, **options)
         path = run.root / "arms" / _safe(arm.label) / "pruned"
         _save_model(model, run.tokenizer, path)
         state.update(
@@ -310,10 +317,42 @@ def stage_prune(run: Run) -> None:
             removed=model.config.sinv_prune["pruned_heads"],
             pruned_dir=str(path.relative_to(run.root)),
         )
+        if summary.compensation is not None:
+            state["compensation"] = summary.compensation.to_dict()
         run.dir.save()
         logger.info("arm %s: removed %d heads -> %s", arm.label, summary.heads_removed, path)
+        if summary.compensation is not None:
+            logger.info("arm %s: %s", arm.label, str(summary.compensation).splitlines()[0])
         del model
     run.dir.finish("prune")
+
+
+def _prune_in_rounds(run: Run, arm: ArmSpec, model, calibration, options: dict):
+    """``arm.rounds`` rounds through :class:`HeadPruner`: re-score, select, remove (and compensate) each round."""
+    options = dict(options)
+    pruner = HeadPruner(
+        arm.criterion,
+        arm.amount,
+        mode=arm.mode,
+        layout=arm.layout,
+        min_heads_per_layer=arm.min_heads_per_layer,
+        seed=arm.seed,
+        criterion_options=arm.options,
+        rounds=arm.rounds,
+        compensate=options.pop("compensate", None),
+        compensation_options=options,
+    )
+    batches = list(_score_batches(run)) if pruner.criterion.needs_data else None
+    summary = pruner.prune(model, batches=batches, calibration=calibration)
+    return summary, pruner.last_rounds
+
+
+def _calibration_batches(run: Run, spec) -> list[dict]:
+    """``spec.batches`` batches of ``spec.batch_size`` sequences from the scoring split, on the run's device."""
+    blocks = data_mod.lm_blocks(run.ids[_score_split(run)], run.recipe.data.seq_len)
+    n = min(spec.batches * spec.batch_size, len(blocks))
+    ids = torch.tensor(blocks[:n]["input_ids"])
+    return [{"input_ids": chunk.to(run.device)} for chunk in torch.split(ids, spec.batch_size)]
 
 
 def stage_finetune(run: Run) -> None:
@@ -447,6 +486,10 @@ def stage_evaluate(run: Run) -> dict:
             "mode": arm.mode,
             "layout": arm.layout,
             "seed": arm.seed,
+            "compensate": arm.compensate.model_dump() if arm.compensate else None,
+            "compensation": state.get("compensation"),
+            "rounds": arm.rounds,
+            "per_round": state.get("rounds"),
             "heads_removed": state["heads_removed"],
             "removed": state["removed"],
             "pruned": evaluate_model(run, pruned, f"{arm.label} (pruned)"),

@@ -73,6 +73,28 @@ def head_layouts(recipe: Recipe) -> list[HeadLayout]:
     return [adapter.layout(i) for i in range(adapter.num_layers)]
 
 
+def check_compensation(recipe: Recipe, adapter: HeadAdapter) -> None:
+    """Each arm's compensation and rounds, against the starting model (before any training)."""
+    from sinv_prune import compensation
+    from sinv_prune.criteria import criterion_class
+
+    for i, arm in enumerate(recipe.prune.arms):
+        if arm.rounds > 1 and criterion_class(arm.criterion).needs_trace:
+            raise RecipeError(
+                f"prune.arms[{i}].rounds: {arm.criterion} scores from the training trace, which cannot re-score "
+                "an already pruned model; use rounds: 1"
+            )
+        if arm.compensate is None:
+            continue
+        options = {"ridge": compensation.DEFAULT_RIDGE, **arm.compensate.prune_options()}
+        try:
+            compensation.check_options(
+                adapter.model, adapter, options["compensate"], [], options["ridge"], options["add_bias"]
+            )
+        except ValueError as err:
+            raise RecipeError(f"prune.arms[{i}].compensate: {_first_line(err)}") from None
+
+
 def check_symmetry_breaking(recipe: Recipe, adapter: HeadAdapter) -> None:
     """Symmetry breaking only where a checkpoint can carry E[b] (see :mod:`sinv_prune.symmetry.folding`)."""
     from sinv_prune.symmetry.folding import fold_plan
@@ -178,6 +200,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     check_teacher(recipe)
     adapter = meta_adapter(recipe)
     check_symmetry_breaking(recipe, adapter)
+    check_compensation(recipe, adapter)
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
     total = sum(lay.num_heads for lay in layouts)
     for i, arm in enumerate(recipe.prune.arms):

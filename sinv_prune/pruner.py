@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from sinv_prune import compensation
 from sinv_prune.arch import get_adapter
 from sinv_prune.criteria import Criterion, Scores, TraceLike, criterion_class, get_criterion
 from sinv_prune.record import get_record
@@ -90,6 +91,8 @@ class HeadPruner:
         criterion_options: Mapping[str, Any] | None = None,
         rounds: int = 1,
         between_rounds: RoundHook | None = None,
+        compensate: str | None = None,
+        compensation_options: Mapping[str, Any] | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown selection mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -114,6 +117,10 @@ class HeadPruner:
         if between_rounds is not None and not callable(between_rounds):
             raise ValueError(f"between_rounds must be a callable (model, round_index), got {between_rounds!r}")
         self.between_rounds = between_rounds
+        if compensate is not None and compensate not in compensation.METHODS:
+            raise ValueError(f"unknown compensation {compensate!r}; choose one of {', '.join(compensation.METHODS)}")
+        self.compensate = compensate
+        self.compensation_options = dict(compensation_options or {})
         self.last_scores: Scores | None = None
         self.last_selection: dict[int, list[int]] | None = None
         self.last_rounds: list[dict] = []
@@ -152,11 +159,26 @@ class HeadPruner:
         )
 
     def prune(
-        self, model: nn.Module, batches: Iterable[Mapping[str, Any]] | None = None, trace: TraceLike | None = None
+        self,
+        model: nn.Module,
+        batches: Iterable[Mapping[str, Any]] | None = None,
+        trace: TraceLike | None = None,
+        calibration: Iterable[Mapping[str, Any]] | None = None,
     ) -> PruneSummary:
-        """Score, select and remove the heads from ``model`` in place, in ``rounds`` rounds."""
+        """Score, select and remove the heads from ``model`` in place, in ``rounds`` rounds.
+
+        With ``compensate`` set, every round's removal is compensated from ``calibration``
+        (see :func:`~sinv_prune.prune_heads`); a missing ``calibration`` raises before any change.
+        """
+        if self.compensate is not None and calibration is None:
+            raise ValueError(f"compensate={self.compensate!r} needs calibration batches")
         if self.rounds > 1 and batches is not None and iter(batches) is batches:
             batches = list(batches)  # every round iterates them again
+        if self.rounds > 1 and calibration is not None and iter(calibration) is calibration:
+            calibration = list(calibration)
+        removal = {"allow_empty_layers": self.min_heads_per_layer == 0}
+        if self.compensate is not None:
+            removal.update(calibration=calibration, compensate=self.compensate, **self.compensation_options)
         kept_at_start = _kept_original(model)
         first = self.select(model, batches=batches, trace=trace)  # fixes the total; raises before any change
         total = sum(map(len, first.values()))
@@ -178,7 +200,7 @@ class HeadPruner:
             if not heads:
                 logger.warning("sinv_prune: round %d can remove none of the %d heads left; stopping", index, remaining)
                 break
-            summaries.append(prune_heads(model, heads, allow_empty_layers=self.min_heads_per_layer == 0))
+            summaries.append(prune_heads(model, heads, **removal))
             self.last_rounds.append(_round_entry(index, share, summaries[-1], self.criterion.report()))
         summary = _combine(model, summaries, kept_at_start)
         self.last_selection = {c.layer: c.removed for c in summary.layers}
@@ -205,6 +227,7 @@ class HeadPruner:
             "min_heads_per_layer": self.min_heads_per_layer,
             "seed": self.seed,
             "rounds": self.rounds,
+            "compensate": self.compensate,
             "selection": {str(k): v for k, v in (self.last_selection or {}).items()},
             "per_round": self.last_rounds,
         }
@@ -244,6 +267,7 @@ def _round_entry(index: int, share: int, summary: PruneSummary, criterion_report
         "heads_removed": summary.heads_removed,
         "selection": {str(c.layer): c.removed_original for c in summary.layers},
         "criterion_report": criterion_report,
+        "compensation": summary.compensation.to_dict() if summary.compensation is not None else None,
     }
 
 

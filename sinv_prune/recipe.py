@@ -251,12 +251,44 @@ class ScoreSpec(Strict):
     batch_size: int = Field(8, gt=0)
 
 
+class CompensateSpec(Strict):
+    """Compensation at prune time (:mod:`sinv_prune.compensation`), from calibration sequences.
+
+    ``lsq`` re-fits each pruned layer's output projection by ridge least squares, layer by layer
+    on the already-pruned model's inputs; ``bias`` (FLAP) adds the removed heads' mean
+    contribution to its bias. Calibration: ``batches`` x ``batch_size`` sequences of
+    ``data.seq_len`` tokens from the scoring split (valid, or train without one). ``ridge``
+    (relative; omitted: the library's default) and ``add_bias`` (give bias-free LLaMA-family
+    output projections a bias to fit) go to :func:`sinv_prune.prune_heads`.
+
+    .. code-block:: yaml
+
+        compensate: {method: lsq, batches: 16}
+    """
+
+    method: Literal["lsq", "bias"] = "lsq"
+    batches: int = Field(16, gt=0)
+    batch_size: int = Field(1, gt=0)
+    ridge: float | None = Field(None, gt=0)
+    add_bias: bool = False
+
+    def prune_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`sinv_prune.prune_heads` this spec sets (calibration aside)."""
+        options: dict[str, Any] = {"compensate": self.method, "add_bias": self.add_bias}
+        if self.ridge is not None:
+            options["ridge"] = self.ridge
+        return options
+
+
 class ArmSpec(Strict):
     """One pruning arm: a criterion and the selection options of :func:`sinv_prune.select_heads`.
 
     ``layout`` (GQA models only): ``q_per_group`` (default; every KV group stays, each loses the
     same number of query heads), ``kv_groups`` (whole KV groups go) or ``auto`` (the cheapest of
     either). ``min_heads_per_layer: 0`` also needs ``prune.allow_empty_layers: true``.
+    ``compensate`` (:class:`CompensateSpec`) re-fits what remains after the heads go;
+    ``rounds: k`` reaches the amount in k rounds, re-scoring the pruned model (and compensating,
+    when set) each round (see :class:`sinv_prune.HeadPruner`).
     """
 
     name: str | None = None
@@ -267,6 +299,8 @@ class ArmSpec(Strict):
     layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
     min_heads_per_layer: int = Field(1, ge=0)
     seed: int = 0
+    compensate: CompensateSpec | None = None
+    rounds: int = Field(1, ge=1)
 
     @field_validator("amount")
     @classmethod
@@ -281,7 +315,9 @@ class ArmSpec(Strict):
     def label(self) -> str:
         default = type(self).model_fields["layout"].default
         layout = "" if self.layout == default else f"-{self.layout}"
-        return self.name or f"{self.criterion}-{self.amount}-{self.mode}{layout}"
+        compensate = f"-{self.compensate.method}" if self.compensate else ""
+        rounds = f"-r{self.rounds}" if self.rounds > 1 else ""
+        return self.name or f"{self.criterion}-{self.amount}-{self.mode}{layout}{compensate}{rounds}"
 
 
 class PruneSpec(Strict):

@@ -111,6 +111,28 @@ def distill_note(results: dict) -> str | None:
     return " ".join(notes) or None
 
 
+def recovery_note(results: dict) -> str | None:
+    """How each compensated or iterative arm was made: method, calibration, error, rounds."""
+    notes = []
+    for arm in results["arms"]:
+        comp, rounds = arm.get("compensation"), arm.get("rounds") or 1
+        parts = []
+        if comp:
+            fits = comp.get("layers") or []
+            before = sum(f["error_before"] for f in fits) / len(fits) if fits else None
+            after = sum(f["error_after"] for f in fits) / len(fits) if fits else None
+            error = f", mean layer error {before:.3f} -> {after:.3f}" if fits else ""
+            parts.append(f"compensated by `{comp['method']}` on {comp['tokens']:,} calibration tokens "
+                         f"in {comp['seconds']:.1f} s{error}")  # fmt: skip
+        elif arm.get("compensate"):
+            parts.append(f"compensated by `{arm['compensate']['method']}` in every round")
+        if rounds > 1:
+            parts.append(f"removed in {len(arm.get('per_round') or [])} rounds (re-scored each round)")
+        if parts:
+            notes.append(f"`{arm['name']}`: " + "; ".join(parts) + ".")
+    return " ".join(notes) or None
+
+
 def markdown_report(results: dict, recipe: Recipe) -> str:
     rows = summary_rows(results)
     run = results.get("run", {})
@@ -129,9 +151,9 @@ def markdown_report(results: dict, recipe: Recipe) -> str:
     note = speed_note(results)
     if note:
         lines += ["", note]
-    note = distill_note(results)
-    if note:
-        lines += ["", note]
+    for note in (distill_note(results), recovery_note(results)):
+        if note:
+            lines += ["", note]
     crossed = [a for a in results["arms"] if "crossed" in a.get("score_report", {})]
     for arm in crossed:
         rep = arm["score_report"]
