@@ -347,7 +347,7 @@ def estimate_stages(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> lis
     rows += _score_rows(recipe, probe, tokens)
     copy_save = probe.param_bytes / probe.copy_bps + probe.param_bytes / probe.write_bps
     for arm in recipe.prune.arms:
-        rows.append(Row(f"prune {arm.label}", copy_save, "copy the base model, cut, save"))
+        rows.append(_prune_row(recipe, arm, probe, tokens, copy_save))
     if recipe.finetune is not None:
         split = "train" if "train" in tokens else "valid"
         for i, arm in enumerate(recipe.prune.arms):
@@ -358,6 +358,25 @@ def estimate_stages(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> lis
     rows.append(_evaluate_row(recipe, probe, tokens))
     rows.append(Row("report", REPORT_S, "report.md and plots (fixed allowance)"))
     return rows
+
+
+#: Forward passes over the calibration tokens one compensation costs (lsq: the shared stream, then a
+#: teacher pass, a fitting pass stopped at the projection and a student pass per pruned block).
+COMPENSATION_FORWARDS = {"lsq": 2.3, "bias": 1.0}
+
+
+def _prune_row(recipe: Recipe, arm, probe: Probe, tokens: dict[str, int], copy_save: float) -> Row:
+    """Copy, cut and save; plus compensation (every round) and the re-scoring of rounds after the first."""
+    seconds, what = copy_save, "copy the base model, cut, save"
+    if arm.compensate is not None:
+        calibration = arm.compensate.batches * arm.compensate.batch_size * recipe.data.seq_len
+        seconds += arm.rounds * COMPENSATION_FORWARDS[arm.compensate.method] * probe.forward(calibration)
+        what += f"; {arm.compensate.method} compensation on {calibration:,} tokens"
+    if arm.rounds > 1:
+        rescore = _score_seconds(arm.criterion, recipe, probe, tokens)[0]
+        seconds += (arm.rounds - 1) * rescore
+        what += f"; {arm.rounds} rounds, re-scored {arm.rounds - 1}x"
+    return Row(f"prune {arm.label}", seconds, what)
 
 
 def _start_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:
@@ -406,6 +425,8 @@ def _trainer_s(
     the ``first`` of the run also imports the Trainer."""
     steps = _steps(spec, seq_len, split_tokens_)
     step_s = probe.forward_backward(spec.batch_size * seq_len) + probe.optimizer_s.get(spec.optimizer, 0.0)
+    if getattr(spec, "distill", None) is not None:
+        step_s += probe.forward(spec.batch_size * seq_len)  # the teacher's forward
     checkpoints = math.ceil(steps / spec.save_every)
     checkpoint_bytes = probe.param_bytes + probe.optimizer_bytes.get(spec.optimizer, 0)
     saves = (checkpoints * checkpoint_bytes + probe.param_bytes) / probe.write_bps
@@ -417,27 +438,35 @@ def _score_rows(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> list[Ro
     from sinv_prune.criteria import criterion_class
     from sinv_prune.pipeline import criterion_key
 
-    spec, seq_len = recipe.score, recipe.data.seq_len
-    split = "valid" if "valid" in tokens else ("train" if "train" in tokens else "test")
-    blocks = tokens.get(split, spec.batches * spec.batch_size * seq_len) // seq_len
-    batches = math.ceil(min(spec.batches * spec.batch_size, blocks) / spec.batch_size)
-    wanted = {name: name for name in spec.criteria}
+    wanted = {name: name for name in recipe.score.criteria}
     for arm in recipe.prune.arms:
         wanted.setdefault(criterion_key(arm), arm.criterion)
     rows = []
     for key, name in wanted.items():
-        cls = criterion_class(name)
-        if name == "random" or cls.needs_trace:
+        if name == "random" or criterion_class(name).needs_trace:
             continue  # drawn per arm, or read from the training trace: no work
-        if name.startswith("sinv"):
-            seconds, what = probe.measures_s, "S-invariant measures of every head"
-        elif cls.needs_data:
-            per_batch = (probe.forward if name == "entropy" else probe.forward_backward)(spec.batch_size * seq_len)
-            seconds, what = batches * per_batch, f"{batches} batches of {spec.batch_size}x{seq_len} tokens"
-        else:
-            seconds, what = probe.param_bytes / probe.read_bps, "one pass over the weights"
-        rows.append(Row(f"score {key}", seconds, what))
+        rows.append(Row(f"score {key}", *_score_seconds(name, recipe, probe, tokens)))
     return rows
+
+
+def _score_seconds(name: str, recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> tuple[float, str]:
+    """One scoring of the model by criterion ``name``: seconds and what they pay for."""
+    from sinv_prune.criteria import criterion_class
+
+    spec, seq_len = recipe.score, recipe.data.seq_len
+    split = "valid" if "valid" in tokens else ("train" if "train" in tokens else "test")
+    blocks = tokens.get(split, spec.batches * spec.batch_size * seq_len) // seq_len
+    batches = math.ceil(min(spec.batches * spec.batch_size, blocks) / spec.batch_size)
+    cls = criterion_class(name)
+    if name == "random" or cls.needs_trace:
+        return 0.0, "no work"
+    if name.startswith("sinv"):
+        return probe.measures_s, "S-invariant measures of every head"
+    if cls.needs_data:
+        forward_only = name in ("entropy", "activation")
+        per_batch = (probe.forward if forward_only else probe.forward_backward)(spec.batch_size * seq_len)
+        return batches * per_batch, f"{batches} batches of {spec.batch_size}x{seq_len} tokens"
+    return probe.param_bytes / probe.read_bps, "one pass over the weights"
 
 
 def _evaluate_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:

@@ -70,3 +70,18 @@ def test_evaluation_grows_with_the_tokens_evaluated_and_the_arms():
 
 def test_format_seconds():
     assert [format_seconds(s) for s in (4.4, 65, 3600 + 25 * 60 + 10)] == ["4s", "1m 05s", "1h 25m"]
+
+
+def test_compensation_rounds_and_distillation_add_their_passes():
+    comp = {"method": "lsq", "batches": 4, "batch_size": 2}
+    arms = [{"criterion": "magnitude", "amount": 2, "compensate": comp},
+            {"criterion": "magnitude", "amount": 2, "compensate": comp, "rounds": 3, "name": "three"}]  # fmt: skip
+    plain = rows(RECIPE)
+    recovered = rows({**RECIPE, "prune": {"arms": arms}})
+    once = fake_probe().forward(4 * 2 * 32) * 2.3
+    assert recovered["prune magnitude-2-global-lsq"] - plain["prune magnitude-2-global"] == pytest.approx(once)
+    rescore = recovered["score magnitude"]
+    assert recovered["prune three"] - plain["prune magnitude-2-global"] == pytest.approx(3 * once + 2 * rescore)
+    distilled = rows({**RECIPE, "finetune": {**RECIPE["finetune"], "distill": {"teacher": "base"}}})
+    teacher = 4 * fake_probe().forward(8 * 32)
+    assert distilled["finetune taylor-2-global"] - plain["finetune taylor-2-global"] == pytest.approx(teacher)
