@@ -111,9 +111,7 @@ def test_head_pruner_compensates_like_prune_heads(arch):
     pruner = HeadPruner("magnitude", 2 if arch == "gpt2" else 3, compensate="lsq", compensation_options={"ridge": 0.5})
     reference = copy.deepcopy(model)
     summary = pruner.prune(model, calibration=calibration())
-    sinv_prune.prune_heads(
-        reference, pruner.last_selection, calibration=calibration(), compensate="lsq", ridge=0.5
-    )
+    sinv_prune.prune_heads(reference, pruner.last_selection, calibration=calibration(), compensate="lsq", ridge=0.5)
     assert summary.compensation is not None and summary.compensation.ridge == 0.5
     torch.testing.assert_close(model_output(model, model_inputs()), model_output(reference, model_inputs()))
 
