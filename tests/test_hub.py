@@ -612,3 +612,17 @@ def test_push_spec_needs_an_arm_placeholder_for_several_arms():
     data["push"] = {"repo_id": "me/{arm}", "arms": ["nope"]}
     with pytest.raises(RecipeError, match=r"push.arms: unknown arms \['nope'\]"):
         validate_recipe(data)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_compensated_symmetry_broken_checkpoint_passes_the_fresh_process_reload_check(hub, tmp_path, arch):
+    """Recovery and symmetry breaking change only weights and config: the push route is the same."""
+    model = tiny_model(arch)
+    sinv_prune.add_symmetry_breaking(model, seed=0)
+    heads = {0: [1], 2: [0, 3]} if arch == "gpt2" else {layer: [0, 3] for layer in range(3)}
+    batches = [model_inputs(seed=s) for s in range(3)]
+    summary = sinv_prune.prune_heads(model, heads, calibration=batches, compensate="lsq")
+    assert summary.compensation is not None
+    model.save_pretrained(tmp_path / "ckpt")
+    result = push_pruned(tmp_path / "ckpt", f"{arch}-recovered")  # reload check in a real fresh process
+    assert result.reload_route and "model.safetensors" in hub.files(f"tester/{arch}-recovered", "main")
