@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +105,33 @@ def wikitext(split: str = "test") -> str:
     if not path.exists():
         pytest.skip(f"WikiText-2 text not found at {path}")
     return path.read_text()
+
+
+RELOAD_WORKER = Path(__file__).with_name("reload_worker.py")
+
+
+def reload_in_fresh_process(root: Path, inputs: dict, checkpoints: dict[str, tuple[Path, list[str]]]) -> dict:
+    """Load each checkpoint through each of its routes in one fresh worker process (``reload_worker.py``).
+
+    ``checkpoints`` maps a name to ``(directory, routes)``; returns the worker's result per ``(name, route)``.
+    """
+    torch.save(inputs, root / "inputs.pt")
+    jobs = [
+        {"name": name, "dir": str(directory), "route": route, "inputs": str(root / "inputs.pt"),
+         "out": str(root / f"{name}-{route.replace(':', '-')}.pt")}
+        for name, (directory, routes) in checkpoints.items() for route in routes
+    ]  # fmt: skip
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(root / "hf_modules"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(RELOAD_WORKER), str(root / "jobs.json")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return {(job["name"], job["route"]): torch.load(job["out"], weights_only=True) for job in jobs}

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from conftest import ARCHS, model_output, tiny_model
+from conftest import ARCHS, model_output, reload_in_fresh_process, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_surgery import LLAMA_FAMILY, close, fresh, head_removals, layouts, masked, padded_inputs
@@ -26,7 +22,6 @@ from test_surgery import LLAMA_FAMILY, close, fresh, head_removals, layouts, mas
 import sinv_prune
 from sinv_prune.checkpoint import PREFIX
 
-WORKER = Path(__file__).with_name("reload_worker.py")
 HEAD_AUTO = {
     "gpt2": "AutoModelForCausalLM",
     "llama": "AutoModelForCausalLM",
@@ -192,8 +187,7 @@ def fresh_process(tmp_path_factory):
     """Save every checkpoint, run the worker once over all (checkpoint, route) jobs, return the results."""
     root = tmp_path_factory.mktemp("reload")
     inputs = padded_inputs(seed=3)
-    torch.save(inputs, root / "inputs.pt")
-    jobs, checkpoints = [], {}
+    checkpoints, jobs = {}, {}
     for name, arch, build, request in _checkpoints():
         model = build()
         ref = masked(model, arch, request or _mixed_request(model))
@@ -204,27 +198,8 @@ def fresh_process(tmp_path_factory):
         with torch.no_grad():
             expected = {"head": model_output(model, inputs), "base": model.base_model(**inputs).last_hidden_state}
         checkpoints[name] = (model, directory, expected)
-        for route in _routes(name, arch):
-            out = root / f"{name}-{route.replace(':', '-')}.pt"
-            jobs.append({"dir": str(directory), "route": route, "inputs": str(root / "inputs.pt"), "out": str(out)})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_MODULES_CACHE": str(root / "hf_modules"),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(root / "jobs.json")],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    results = {}
-    for job in jobs:
-        name = Path(job["dir"]).name
-        results[name, job["route"]] = torch.load(job["out"], weights_only=True)
-    return checkpoints, results
+        jobs[name] = (directory, _routes(name, arch))
+    return checkpoints, reload_in_fresh_process(root, inputs, jobs)
 
 
 CASES = [(name, arch, route) for name, arch, _, _ in _checkpoints() for route in _routes(name, arch)]

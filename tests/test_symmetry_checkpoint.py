@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, model_inputs, model_output, tiny_model
+from conftest import VOCAB, model_inputs, model_output, reload_in_fresh_process, tiny_model
 
 import sinv_prune
 from sinv_prune.symmetry import add_symmetry_breaking, get_symmetry_breaking
 
-WORKER = Path(__file__).with_name("reload_worker.py")
 HEAD_AUTO = {
     "gpt2": "AutoModelForCausalLM",
     "llama": "AutoModelForCausalLM",
@@ -76,8 +71,7 @@ def reloaded(tmp_path_factory):
     """Train-time state: pruned, symmetry-broken models, saved; one worker reloads them all."""
     root = tmp_path_factory.mktemp("symmetry-reload")
     inputs = model_inputs(seed=4)
-    torch.save(inputs, root / "inputs.pt")
-    jobs, saved = [], {}
+    saved, jobs = {}, {}
     for name, arch, build, heads, b_q in _cases():
         model = build()
         if heads:
@@ -86,17 +80,8 @@ def reloaded(tmp_path_factory):
         directory = root / name
         model.save_pretrained(directory)
         saved[name] = (model, directory, model_output(model, inputs))
-        for route in _routes(name, arch):
-            out = root / f"{name}-{route.replace(':', '-')}.pt"
-            jobs.append({"dir": str(directory), "route": route, "inputs": str(root / "inputs.pt"), "out": str(out)})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(root / "hf"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(root / "jobs.json")], cwd=root, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    results = {(Path(j["dir"]).name, j["route"]): torch.load(j["out"], weights_only=True) for j in jobs}
-    return saved, results
+        jobs[name] = (directory, _routes(name, arch))
+    return saved, reload_in_fresh_process(root, inputs, jobs)
 
 
 CASES = [(name, arch, route) for name, arch, _, _, _ in _cases() for route in _routes(name, arch)]
