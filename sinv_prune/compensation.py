@@ -33,6 +33,7 @@ from transformers.cache_utils import Cache
 
 from sinv_prune.arch import HeadAdapter
 from sinv_prune.arch.base import head_rows
+from sinv_prune.criteria.base import preserve_modes
 from sinv_prune.refit import ConsumerFit, consumer_weights, write_consumer
 
 METHODS = ("bias", "lsq")
@@ -184,7 +185,7 @@ def capture_block_inputs(model: nn.Module, adapter: HeadAdapter, calibration: It
     inputs = []
     handle = first.register_forward_pre_hook(catch, with_kwargs=True)
     try:
-        with _eval_mode(model), torch.no_grad():
+        with preserve_modes(model), torch.no_grad():
             for number, batch in enumerate(calibration):
                 if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
                     raise ValueError(f"calibration batch {number} is not a dict with an input_ids tensor")
@@ -220,21 +221,6 @@ def _input_device(model: nn.Module) -> torch.device:
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embeddings, "weight", None)
     return weight.device if weight is not None else next(model.parameters()).device
-
-
-class _eval_mode:
-    """Eval mode for the duration; every module's own mode restored after."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __enter__(self):
-        self.modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
-
-    def __exit__(self, *exc):
-        for module, mode in self.modes:
-            module.training = mode
 
 
 # -- the sequential refit ---------------------------------------------------------------------
@@ -385,7 +371,7 @@ def run_compensation(
 ) -> CompensationReport:
     """Add biases when asked, then :func:`compensate` in eval mode without gradients (modes restored)."""
     added = add_attention_biases(model, adapter) if add_bias else False
-    with _eval_mode(model):
+    with preserve_modes(model):
         report = compensate(adapter.layers(), cuts, inputs, method, ridge)
     report.bias_added = added
     return report
