@@ -202,3 +202,40 @@ def test_bench_speed_quick(tmp_path, capsys, common):
     assert kv_cut["generate"]["b_cache_bytes"] < kv_cut["generate"]["a_cache_bytes"]
     assert q_cut["generate"]["b_cache_bytes"] == q_cut["generate"]["a_cache_bytes"]  # query heads only: same cache
     assert "Forward pass" in out and "generate() with the KV cache" in out
+
+
+def test_bench_recovery_quick(tmp_path, capsys, common):
+    _need_wikitext(common)
+    argv = ["--quick", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
+    result, out = _run("bench_recovery", argv, capsys)
+    _header(out, "bench_recovery", argv)
+    assert {"command", "machine", "settings", "model", "references", "choices", "rows", "targets", "plot",
+            "elapsed_s"} <= set(result)  # fmt: skip
+    assert set(result["references"]) == {"unpruned", "unpruned fine-tuned"}
+    rows, cuts = result["rows"], ["10% global", "uniform 33%"]
+    assert set(result["choices"]) == set(cuts)
+    for cut in cuts:
+        one_shot = {(r["criterion"], r["method"]) for r in rows if r["cut"] == cut and r["recovery"] == "one-shot"}
+        criteria = {"random", "magnitude", "taylor", "activation", "sinv_gauge"}
+        assert one_shot == {(c, m) for c in criteria for m in ("none", "lsq", "bias")}
+        later = [r for r in rows if r["cut"] == cut and r["recovery"] != "one-shot"]
+        assert {r["criterion"] for r in later} == {result["choices"][cut]}  # only the best one-shot + lsq criterion
+        kinds = {(r["method"], r["recovery"].split(" ")[0].rstrip(",")) for r in later}
+        expected = {(m, k) for m in ("none", "lsq") for k in ("LM", "distillation")}
+        if cut == "10% global":
+            expected |= {("none", "iterative"), ("lsq", "iterative")}
+        assert kinds == expected
+    heads = {r["heads_removed"] for r in rows if r["cut"] == "uniform 33%"}
+    assert heads == {18}  # tiny LLaMA: one query head per KV group, 6 layers x 3 groups
+    assert len({r["heads_removed"] for r in rows if r["cut"] == "10% global"}) == 1  # iterative reaches the same total
+    for r in rows:
+        assert r["ppl"] > 1 and r["params"] > 0 and r["reference"] in result["references"]
+        assert ("compensation" in r) == (r["method"] != "none")
+        if r["recovery"] != "one-shot" and not r["recovery"].startswith("iterative"):
+            assert r["train"]["steps"] == result["settings"]["steps"]
+    assert len(result["targets"]) == 6
+    assert all(t["pass"] is None or isinstance(t["pass"], bool) for t in result["targets"])
+    for label in ("| random", "| taylor", "| activation", "| sinv_gauge", "| magnitude", "targets (issue 11)"):
+        assert label in out
+    assert "iterative rows skipped for uniform 33%" in out
+    _png(tmp_path / "r.png")
