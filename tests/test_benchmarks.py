@@ -31,6 +31,16 @@ def _script(name: str):
     return module
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """The scripts set torch's thread count for their run; later tests expect conftest's."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def common(monkeypatch):
     monkeypatch.setenv("TQDM_DISABLE", "1")  # the scripts set it by default; restore it after
@@ -206,7 +216,7 @@ def test_bench_speed_quick(tmp_path, capsys, common):
 
 def test_bench_recovery_quick(tmp_path, capsys, common):
     _need_wikitext(common)
-    argv = ["--quick", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
+    argv = ["--quick", "--threads", "1", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
     result, out = _run("bench_recovery", argv, capsys)
     _header(out, "bench_recovery", argv)
     assert {"command", "machine", "settings", "model", "references", "choices", "rows", "targets", "plot",
