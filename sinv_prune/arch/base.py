@@ -131,6 +131,18 @@ class HeadAdapter:
         """
         raise NotImplementedError
 
+    def mlp_in(self, layer: int) -> list[nn.Module]:
+        """The MLP modules whose output features are the intermediate channels (gate and up for gated MLPs)."""
+        raise NotImplementedError
+
+    def mlp_out(self, layer: int) -> nn.Module:
+        """The MLP's down projection; its input features are the intermediate channels."""
+        raise NotImplementedError
+
+    def intermediate_size(self, layer: int) -> int:
+        """Current number of MLP channels of ``layer``."""
+        return linear_weight(self.mlp_out(layer)).shape[1]
+
     def slice_heads(self, layer: int, keep_q: torch.Tensor, keep_kv: torch.Tensor) -> None:
         """Physically keep only query heads ``keep_q`` and KV heads ``keep_kv``."""
         raise NotImplementedError

@@ -47,6 +47,12 @@ class BertAdapter(HeadAdapter):
         block = self.base.encoder.layer[layer]
         return block.intermediate.dense.weight, block.output.dense.weight
 
+    def mlp_in(self, layer):
+        return [self.base.encoder.layer[layer].intermediate.dense]
+
+    def mlp_out(self, layer):
+        return self.base.encoder.layer[layer].output.dense
+
     def slice_heads(self, layer, keep_q, keep_kv):
         attn = self.attention(layer)
         rows = head_rows(keep_q, attn.attention_head_size)

@@ -46,6 +46,12 @@ class GPT2Adapter(HeadAdapter):
         mlp = self.base.h[layer].mlp
         return linear_weight(mlp.c_fc), linear_weight(mlp.c_proj)
 
+    def mlp_in(self, layer):
+        return [self.base.h[layer].mlp.c_fc]
+
+    def mlp_out(self, layer):
+        return self.base.h[layer].mlp.c_proj
+
     def slice_heads(self, layer, keep_q, keep_kv):
         attn = self.attention(layer)
         rows = head_rows(keep_q, attn.head_dim)

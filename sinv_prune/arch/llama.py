@@ -48,6 +48,13 @@ class LlamaAdapter(HeadAdapter):
         mlp = self.base.layers[layer].mlp
         return mlp.up_proj.weight, mlp.down_proj.weight
 
+    def mlp_in(self, layer):
+        mlp = self.base.layers[layer].mlp
+        return [mlp.gate_proj, mlp.up_proj]
+
+    def mlp_out(self, layer):
+        return self.base.layers[layer].mlp.down_proj
+
     def slice_heads(self, layer, keep_q, keep_kv):
         attn = self.attention(layer)
         q_rows, kv_rows = head_rows(keep_q, attn.head_dim), head_rows(keep_kv, attn.head_dim)
