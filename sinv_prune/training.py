@@ -101,6 +101,9 @@ def run_trainer(
         use_cpu=(device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu",
         disable_tqdm=quiet,
         dataloader_num_workers=0,
+        gradient_checkpointing=spec.gradient_checkpointing,
+        # Non-reentrant: frozen inputs (LoRA's embeddings) still give the checkpointed blocks gradients.
+        gradient_checkpointing_kwargs={"use_reentrant": False} if spec.gradient_checkpointing else None,
     )
     trainer_cls = Trainer
     if getattr(optimizer_cls, "requires_loss", False):  # ECD: its step needs the loss
