@@ -115,8 +115,8 @@ def default_target_modules(model: nn.Module) -> list[str]:
 def wrap_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     """``model`` with trainable LoRA adapters (``peft``) on ``spec.target_modules``; the rest frozen.
 
-    Works with gradient checkpointing because ``run_trainer`` checkpoints non-reentrantly (frozen
-    embeddings then still give the checkpointed blocks a gradient path).
+    Works with gradient checkpointing because transformers checkpoints non-reentrantly by default
+    (frozen embeddings then still give the checkpointed blocks a gradient path).
     """
     from peft import LoraConfig, get_peft_model
 

@@ -101,9 +101,9 @@ def run_trainer(
         use_cpu=(device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu",
         disable_tqdm=quiet,
         dataloader_num_workers=0,
-        gradient_checkpointing=spec.gradient_checkpointing,
-        # Non-reentrant: frozen inputs (LoRA's embeddings) still give the checkpointed blocks gradients.
-        gradient_checkpointing_kwargs={"use_reentrant": False} if spec.gradient_checkpointing else None,
+        # transformers' name for gradient checkpointing; its default (non-reentrant) also gives checkpointed
+        # blocks gradients when their inputs are frozen (LoRA's embeddings).
+        activation_checkpointing=spec.gradient_checkpointing,
     )
     trainer_cls = Trainer
     if getattr(optimizer_cls, "requires_loss", False):  # ECD: its step needs the loss

@@ -151,7 +151,7 @@ def test_default_lora_targets_are_every_attention_and_mlp_projection():
 
 class SeeArgs(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.args, self.checkpointing = args, model.is_gradient_checkpointing
+        self.args, self.checkpointing = args, model.is_activation_checkpointing
 
 
 def test_gradient_checkpointing_reaches_the_trainer(tmp_path):
@@ -163,8 +163,7 @@ def test_gradient_checkpointing_reaches_the_trainer(tmp_path):
     blocks = data_mod.lm_blocks(data_mod.token_ids(corpus["train"], tokenizer), 16)
     run_trainer(model, tokenizer, blocks, None, spec, tmp_path / "ckpt", mlm=False, seed=0, device="cpu", quiet=True,
                 callbacks=[seen])  # fmt: skip
-    assert seen.args.gradient_checkpointing and seen.args.gradient_checkpointing_kwargs == {"use_reentrant": False}
-    assert seen.checkpointing
+    assert seen.args.activation_checkpointing and seen.checkpointing
     assert validate_recipe(TINY).finetune.gradient_checkpointing is False  # off unless asked
 
 
@@ -249,3 +248,34 @@ def test_dry_run_estimate_uses_the_recipe_dtype(tmp_path, pretrained):
 def test_resolved_recipe_shows_the_settings():
     resolved = yaml.safe_load(recipe_to_yaml(validate_recipe(TINY)))
     assert resolved["model"]["dtype"] == "auto" and resolved["finetune"]["gradient_checkpointing"] is False
+
+
+SPLIT = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+         "lm_head": 1}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_surgery_keeps_each_layer_on_its_device_in_a_split_model(pretrained):
+    split = sinv_prune.from_pretrained(pretrained, device_map=SPLIT, attn_implementation="eager")
+    reference = sinv_prune.from_pretrained(pretrained, attn_implementation="eager")
+    before = {name: p.device for name, p in split.named_parameters()}
+    assert {d.index for d in before.values()} == {0, 1}
+    heads = {0: [0, 1], 1: [1, 3]}
+    sinv_prune.prune_heads(split, heads)
+    sinv_prune.prune_heads(reference, heads)
+    assert {name: p.device for name, p in split.named_parameters()} == before
+    inputs = model_inputs()
+    got = model_output(split, {k: v.to("cuda:0") for k, v in inputs.items()}).cpu()
+    torch.testing.assert_close(got, model_output(reference, inputs), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_offload_next_to_a_gpu_is_refused_by_surgery_not_crashed(pretrained):
+    offload = {**SPLIT, "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}  # accelerate: meta + hooks
+    model = sinv_prune.from_pretrained(pretrained, device_map=offload)
+    reason = unloadable_reason(model)
+    assert reason is not None and "meta device" in reason
+    with pytest.raises(ValueError, match="meta device"):
+        sinv_prune.prune_heads(model, {1: [0, 2]})
