@@ -11,7 +11,7 @@ import transformers
 import yaml
 from conftest import model_inputs, model_output, reload_in_fresh_process
 from safetensors import safe_open
-from test_pipeline import TINY, invoke, recipe_file
+from test_pipeline import TINY, StopAfterFirstSave, invoke, recipe_file
 from transformers import TrainerCallback
 
 import sinv_prune
@@ -136,6 +136,30 @@ def test_lora_finetune_saves_a_merged_plain_model_that_reloads_through_every_rou
     for (name, route), got in results.items():
         assert not got["missing"] and not got["unexpected"] and not got["mismatched"], (name, route)
         torch.testing.assert_close(got["main"], expected[name], msg=f"{name} via {route}")
+
+
+def test_a_lora_finetune_resumes_from_its_adapter_checkpoint(tmp_path, pretrained, monkeypatch):
+    data = recipe(pretrained, finetune={"save_every": 1, "lora": {"r": 2, "target_modules": ["q_proj", "v_proj"]}})
+    real_trainer = pipeline.run_trainer
+
+    def stops(*args, **kwargs):
+        return real_trainer(*args, **{**kwargs, "callbacks": [StopAfterFirstSave()]})
+
+    monkeypatch.setattr(pipeline, "run_trainer", stops)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_recipe(validate_recipe(data), tmp_path / "out", quiet=True)
+    monkeypatch.undo()
+    saved = tmp_path / "out" / "arms" / "stock" / "checkpoints" / "checkpoint-1"
+    assert (saved / "adapter_model.safetensors").is_file()  # the Trainer saved the adapters only
+    result = invoke(recipe_file(tmp_path, data), "--output", tmp_path / "out", "--quiet", "--resume")
+    assert result.exit_code == 0, result.output
+    assert "resuming training from" in (tmp_path / "out" / "run.log").read_text()
+    state = json.loads((tmp_path / "out" / "state.json").read_text())
+    assert state["arms"]["stock"]["finetune"]["steps"] == 2
+    pruned, tuned = (tensors(tmp_path / "out" / "arms" / "stock" / d) for d in ("pruned", "finetuned"))
+    assert sorted(tuned) == sorted(pruned)
+    changed = sorted(k for k in pruned if not torch.equal(pruned[k], tuned[k]))
+    assert changed == [f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qv"]
 
 
 def test_default_lora_targets_are_every_attention_and_mlp_projection():
