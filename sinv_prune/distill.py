@@ -106,7 +106,10 @@ class DistillMixin:
         dtype = next((p.dtype for p in student.parameters() if p.is_floating_point()), None)
         target = (self.accelerator.device, dtype)
         if self._teacher_placed != target:
-            self.teacher.to(device=target[0], dtype=dtype)
+            if getattr(self.teacher, "hf_device_map", None) is not None:  # placed by a device_map: keep it there
+                self.teacher.to(dtype=dtype)
+            else:
+                self.teacher.to(device=target[0], dtype=dtype)
             self._teacher_placed = target
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:

@@ -157,6 +157,7 @@ def _stand_in(recipe: Recipe, device: str):
     if recipe.model.scratch:
         cls = getattr(transformers, SCRATCH_ARCHITECTURES[recipe.model.architecture][1])
         model = cls(scratch_config(recipe, vocab_size=recipe.data.tokenizer.vocab_size))  # initialised, as the run
+        model.to(_dtype(recipe, model.config))
     else:
         config, cls = starting_config(recipe)
         with no_init_weights():  # buffers (positions, rotary frequencies) are still set
@@ -179,7 +180,13 @@ def _fill(model) -> None:
 
 
 def _dtype(recipe: Recipe, config) -> torch.dtype:
-    """The dtype the run's ``from_pretrained`` gives: GGUF dequantises to float32, else the config's."""
+    """The run's dtype: ``model.dtype`` when set; else float32 from scratch or GGUF, else the config's."""
+    from sinv_prune.model_settings import torch_dtype
+
+    if torch_dtype(recipe) is not None:
+        return torch_dtype(recipe)
+    if recipe.model.scratch:
+        return torch.float32
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)

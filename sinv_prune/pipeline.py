@@ -23,6 +23,7 @@ from sinv_prune import data as data_mod
 from sinv_prune.checkpoint import from_pretrained
 from sinv_prune.criteria import get_criterion
 from sinv_prune.evaluation import compare_speed, mlm_loss, parameter_breakdown, perplexity, speedup_fields
+from sinv_prune.model_settings import input_device, load_kwargs, merge_lora, to_device, unloadable_reason, wrap_lora
 from sinv_prune.preflight import build_model, is_masked_lm, preflight
 from sinv_prune.pruner import HeadPruner
 from sinv_prune.recipe import ArmSpec, Recipe, recipe_to_yaml
@@ -78,7 +79,7 @@ def run_recipe(
     """
     preflight(recipe)
     threads = parse_threads(threads)
-    device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or recipe.device or input_device(recipe) or ("cuda" if torch.cuda.is_available() else "cpu")
     run_dir = RunDir.open(Path(output), overwrite=overwrite, resume=resume)
     run = Run(recipe, run_dir, device, quiet, keep_checkpoints=keep_checkpoints)
     handler = _log_to_file(run.root / "run.log")
@@ -156,9 +157,11 @@ def stage_train(run: Run) -> None:
     base_dir = run.root / "base"
     if run.dir.done("train"):
         _drop_checkpoints(run, run.root / "checkpoints" / "train")  # in case a run stopped right after the stage
-        run.base = from_pretrained(base_dir).to(run.device)
+        run.base = to_device(load_saved(run, base_dir), run.device)
         return
     model = build_model(run.recipe, vocab_size=len(run.tokenizer), tokenizer=run.tokenizer)
+    if run.recipe.model.device_map is not None and (reason := unloadable_reason(model)):
+        raise RunStageError(reason)
     spec = run.recipe.train
     if spec is not None:
         from sinv_prune.tracking import ConvergenceCallback
@@ -195,7 +198,7 @@ def stage_train(run: Run) -> None:
         )
         run.dir.state["train"] = {"steps": out.global_step, "train_loss": out.training_loss}
     _save_model(model, run.tokenizer, base_dir)
-    run.base = model.to(run.device).eval()
+    run.base = to_device(model, run.device).eval()
     run.dir.finish("train")
     _drop_checkpoints(run, run.root / "checkpoints" / "train")
 
@@ -207,6 +210,11 @@ def _drop_checkpoints(run: Run, trainer_dir: Path) -> None:
     remove_checkpoints(trainer_dir)
     if trainer_dir.parent.name == "checkpoints" and trainer_dir.parent.is_dir():
         remove_checkpoints(trainer_dir.parent)
+
+
+def load_saved(run: Run, path: Path):
+    """A checkpoint this run saved (or a teacher), loaded with the recipe's dtype, device_map and attention."""
+    return from_pretrained(path, **load_kwargs(run.recipe))
 
 
 def _save_model(model, tokenizer, path: Path) -> None:
@@ -369,9 +377,11 @@ def stage_finetune(run: Run) -> None:
         if state.get("finetuned"):
             _drop_checkpoints(run, arm_dir / "checkpoints")
             continue
-        model = from_pretrained(run.root / state["pruned_dir"])
+        model = load_saved(run, run.root / state["pruned_dir"])
         if spec.distill is not None and teacher is None:
             teacher = load_teacher(run, model)
+        if spec.lora is not None:
+            model = wrap_lora(model, spec.lora)
         out = run_trainer(
             model,
             run.tokenizer,
@@ -386,11 +396,15 @@ def stage_finetune(run: Run) -> None:
             resume=True,
             teacher=teacher,
         )
+        if spec.lora is not None:
+            model = merge_lora(model)
         _save_model(model, run.tokenizer, arm_dir / "finetuned")
         state.update(finetuned=True, finetuned_dir=str((arm_dir / "finetuned").relative_to(run.root)))
         state["finetune"] = {"steps": out.global_step, "train_loss": out.training_loss}
         if spec.distill is not None:
             state["finetune"]["distill"] = spec.distill.model_dump()
+        if spec.lora is not None:
+            state["finetune"]["lora"] = spec.lora.model_dump()
         run.dir.save()
         _drop_checkpoints(run, arm_dir / "checkpoints")
         del model
@@ -402,7 +416,7 @@ def load_teacher(run: Run, student):
     """The distillation teacher, from disk (``base`` is the run's saved starting model); checked against ``student``."""
     name = run.recipe.finetune.distill.teacher
     path = run.root / "base" if name == "base" else Path(run.recipe.resolve(name))
-    teacher = from_pretrained(path)
+    teacher = load_saved(run, path)
     where = f"finetune.distill.teacher ({name})"
     if is_masked_lm(teacher) != is_masked_lm(student):
         raise RunStageError(f"{where}: a {_task(teacher)} cannot teach a {_task(student)}")
@@ -423,7 +437,7 @@ def _task(model) -> str:
 def evaluate_model(run: Run, model, label: str) -> dict:
     """Perplexity (or MLM loss), parameter counts and speed of one model."""
     spec, data = run.recipe.evaluate, run.recipe.data
-    model = model.to(run.device).eval()
+    model = to_device(model, run.device).eval()
     ids = run.ids[_eval_split(run)]
     out: dict[str, Any] = {"params": count_parameters(model), "params_breakdown": parameter_breakdown(model)}
     stride = data.eval_stride or data.seq_len
@@ -477,7 +491,7 @@ def stage_evaluate(run: Run) -> dict:
     scores = json.loads((run.root / "scores.json").read_text())
     for arm in run.recipe.prune.arms:
         state = run.dir.arm(arm.label)
-        pruned = from_pretrained(run.root / state["pruned_dir"])
+        pruned = load_saved(run, run.root / state["pruned_dir"])
         row: dict[str, Any] = {
             "name": arm.label,
             "criterion": arm.criterion,
@@ -498,7 +512,7 @@ def stage_evaluate(run: Run) -> dict:
         }
         del pruned
         if state.get("finetuned"):
-            tuned = from_pretrained(run.root / state["finetuned_dir"])
+            tuned = load_saved(run, run.root / state["finetuned_dir"])
             row["finetuned"] = evaluate_model(run, tuned, f"{arm.label} (fine-tuned)")
             row["model_dir"] = state["finetuned_dir"]
             row["distill"] = state.get("finetune", {}).get("distill")

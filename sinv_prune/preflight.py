@@ -46,14 +46,21 @@ def scratch_config(recipe: Recipe, vocab_size: int | None = None, tokenizer=None
 def build_model(recipe: Recipe, vocab_size: int | None = None, tokenizer=None) -> nn.Module:
     """The starting model: built from scratch (seeded) or loaded with ``sinv_prune.from_pretrained``."""
     from sinv_prune.checkpoint import from_pretrained
+    from sinv_prune.model_settings import load_kwargs, torch_dtype
 
     spec = recipe.model
     if spec.scratch:
         torch.manual_seed(recipe.seed)
         model_cls = getattr(transformers, SCRATCH_ARCHITECTURES[spec.architecture][1])
-        return model_cls(scratch_config(recipe, vocab_size, tokenizer))
+        config = scratch_config(recipe, vocab_size, tokenizer)
+        if spec.attn_implementation is None:
+            model = model_cls(config)
+        else:
+            model = model_cls._from_config(config, attn_implementation=spec.attn_implementation)
+        dtype = torch_dtype(recipe)
+        return model if dtype is None else model.to(dtype)  # initialised in float32 whatever the dtype
     kwargs = {k: v for k, v in (("gguf_file", spec.gguf_file), ("revision", spec.revision)) if v}
-    return from_pretrained(recipe.resolve(spec.path), **kwargs)
+    return from_pretrained(recipe.resolve(spec.path), **kwargs, **load_kwargs(recipe))
 
 
 def meta_adapter(recipe: Recipe) -> HeadAdapter:
@@ -180,6 +187,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     """Check what can be checked before any work; returns the starting model's head layouts."""
     from sinv_prune.criteria import criterion_class
     from sinv_prune.distill import check_teacher
+    from sinv_prune.model_settings import check_model_settings
     from sinv_prune.selection import select_heads
 
     files = recipe.data.files
@@ -199,6 +207,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
         _check_criterion(criterion_class, name, f"score.criteria[{i}]")
     check_teacher(recipe)
     adapter = meta_adapter(recipe)
+    check_model_settings(recipe, adapter.model)
     check_symmetry_breaking(recipe, adapter)
     check_compensation(recipe, adapter)
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]

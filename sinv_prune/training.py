@@ -101,6 +101,9 @@ def run_trainer(
         use_cpu=(device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu",
         disable_tqdm=quiet,
         dataloader_num_workers=0,
+        # transformers' name for gradient checkpointing; its default (non-reentrant) also gives checkpointed
+        # blocks gradients when their inputs are frozen (LoRA's embeddings).
+        activation_checkpointing=spec.gradient_checkpointing,
     )
     trainer_cls = Trainer
     if getattr(optimizer_cls, "requires_loss", False):  # ECD: its step needs the loss

@@ -56,8 +56,9 @@ def head_rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def select_out(module: nn.Module, index: torch.Tensor) -> None:
-    """Keep only the output features ``index`` of a Linear or Conv1D, in place."""
+    """Keep only the output features ``index`` of a Linear or Conv1D, in place (on the weight's own device)."""
     dim = 1 if isinstance(module, Conv1D) else 0
+    index = index.to(module.weight.device)
     _replace(module, "weight", module.weight.detach().index_select(dim, index))
     if getattr(module, "bias", None) is not None:
         _replace(module, "bias", module.bias.detach().index_select(0, index))
@@ -68,8 +69,9 @@ def select_out(module: nn.Module, index: torch.Tensor) -> None:
 
 
 def select_in(module: nn.Module, index: torch.Tensor) -> None:
-    """Keep only the input features ``index`` of a Linear or Conv1D, in place."""
+    """Keep only the input features ``index`` of a Linear or Conv1D, in place (on the weight's own device)."""
     dim = 0 if isinstance(module, Conv1D) else 1
+    index = index.to(module.weight.device)
     _replace(module, "weight", module.weight.detach().index_select(dim, index))
     if isinstance(module, Conv1D):
         module.nx = index.numel()
