@@ -159,7 +159,7 @@ def abba(a, b, run: Callable[[object], float], repeats: int) -> dict:
     run(a), run(b)
     times = {"a": [], "b": []}
     for i in range(repeats):
-        for key, model in ((("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))):
+        for key, model in (("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a)):
             times[key].append(run(model))
     ratio = statistics.median(x / y for x, y in zip(times["a"], times["b"], strict=True))
     return {"a_s": statistics.median(times["a"]), "b_s": statistics.median(times["b"]), "speedup": ratio}
