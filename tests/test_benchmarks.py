@@ -316,3 +316,17 @@ def test_bench_scale_cpu_tiny(tmp_path, capsys, common, monkeypatch, with_prune)
         assert result["model"]["has_prune"] is True
         depth = next(r for r in rows if r["figure"] == "prefill" and r["cut"] == "depth 25%")
         assert float(depth["predicted"].rstrip("x")) > 1.2  # 1 of 4 layers gone: most of the FLOPs
+
+
+@pytest.mark.gpu
+def test_bench_scale_cuda_tiny(tmp_path, capsys, common):
+    """The CUDA path of bench_scale (peak memory from torch.cuda) on the tiny shape."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    argv = ["--device", "cuda", "--shape", "tiny", "--json", str(tmp_path / "scale.json")]
+    result, _ = _run("bench_scale", argv, capsys)
+    measured = [r for r in result["rows"] if r["figure"].startswith(("build", "surgery: prune_heads", "criterion"))]
+    assert measured and all(r["peak"].startswith("+") and r["peak"].endswith(" GiB") for r in measured)
+    assert result["machine"]["gpu"]
