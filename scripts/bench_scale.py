@@ -46,7 +46,7 @@ import _bench_common as common  # noqa: E402
 import sinv_prune  # noqa: E402
 
 GiB = 2**30
-NEEDS_PRUNE = "n/a (needs sinv_prune.prune)"
+NEEDS_PRUNE = common.NEEDS_PRUNE
 
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -93,16 +93,6 @@ def head_plans(model) -> list[tuple[str, dict[int, list[int]]]]:
                                        exact=True)  # fmt: skip
         out.append((name, plan))
     return out
-
-
-def structure_plans(model) -> list[tuple[str, dict]]:
-    """``sinv_prune.prune`` plans: every fourth MLP channel of every layer; every fourth layer."""
-    layers = model.config.num_hidden_layers
-    width = model.config.intermediate_size
-    return [
-        ("MLP width 25%", {"mlp": {layer: list(range(0, width, 4)) for layer in range(layers)}}),
-        ("depth 25%", {"layers": list(range(3, layers, 4))}),
-    ]
 
 
 def weight_bytes(model) -> int:
@@ -221,14 +211,15 @@ def run_figures(args, device: str, dtype: torch.dtype) -> tuple[list[dict], dict
     cuts: list[tuple[str, Callable | None, object]] = [
         (name, sinv_prune.prune_heads, plan) for name, plan in head_plans(base)
     ]
-    has_prune = hasattr(sinv_prune, "prune")
-    cuts += [(name, getattr(sinv_prune, "prune", None), plan) for name, plan in structure_plans(base)]
+    prune = common.prune_function()
+    cuts += [(name, prune, plan) for name, plan in common.structure_plans(base)]
     speed_rows = []
     for name, fn, plan in cuts:
         label = "surgery: prune_heads" if fn is sinv_prune.prune_heads else "surgery: prune"
-        if fn is None:
-            rows.append(_row(label, name, NEEDS_PRUNE))
-            speed_rows += [_row(kind, name, NEEDS_PRUNE) for kind in ("prefill", "decode")]
+        if fn is None or plan is None:
+            why = NEEDS_PRUNE if fn is None else "n/a (fewer than 4 layers)"
+            rows.append(_row(label, name, why))
+            speed_rows += [_row(kind, name, why) for kind in ("prefill", "decode")]
             continue
         pruned = None
         try:
@@ -265,7 +256,7 @@ def run_figures(args, device: str, dtype: torch.dtype) -> tuple[list[dict], dict
         except Exception as err:
             rows.append(_row(f"criterion: {name}", workload, _err(err)))
         _free(device)
-    info["has_prune"] = has_prune
+    info["has_prune"] = prune is not None
     return rows + speed_rows, info
 
 

@@ -212,6 +212,34 @@ def test_bench_speed_quick(tmp_path, capsys, common):
     assert kv_cut["generate"]["b_cache_bytes"] < kv_cut["generate"]["a_cache_bytes"]
     assert q_cut["generate"]["b_cache_bytes"] == q_cut["generate"]["a_cache_bytes"]  # query heads only: same cache
     assert "Forward pass" in out and "generate() with the KV cache" in out
+    assert "measured / predicted (CPU time)" in out and "issue 12 target (measured >= 90%" in out
+    skipped = {(s["shape"], s["cut"]) for s in result["skipped_cuts"]}
+    structural = {(shape, cut) for shape in ("gpt2-small", "smollm2-135m", "llama7b-2layers")
+                  for cut in ("MLP width 25%", "depth 25%")}  # fmt: skip
+    if common.prune_function() is None:
+        assert skipped == structural and out.count("n/a (needs sinv_prune.prune)") == 6
+    else:  # quick llama7b-2layers has a single layer: no depth cut
+        assert skipped == {("llama7b-2layers", "depth 25%")}
+
+
+def test_bench_speed_structural_cuts(tmp_path, capsys, common, monkeypatch):
+    """With ``sinv_prune.prune`` (a stand-in until the real one is merged) the MLP and depth cuts are timed
+    and held against their FLOP prediction like the head cuts."""
+    import sinv_prune
+
+    monkeypatch.setattr(sinv_prune, "prune", _stand_in_prune, raising=False)
+    argv = ["--quick", "--shapes", "smollm2-135m", "--repeats", "1", "--gen-repeats", "1",
+            "--json", str(tmp_path / "s.json")]  # fmt: skip
+    result, out = _run("bench_speed", argv, capsys)
+    rows = {r["cut"]: r for r in result["results"]}
+    assert {"MLP width 25%", "depth 25%"} <= set(rows) and result["skipped_cuts"] == []
+    mlp, depth = rows["MLP width 25%"], rows["depth 25%"]
+    assert mlp["heads_removed"] == 0 and mlp["flops_after"]["mlp"] == 0.75 * mlp["flops_before"]["mlp"]
+    assert depth["heads_removed"] == 9 and depth["kv_heads_removed"] == 3  # one of the 4 quick layers
+    assert depth["generate"]["b_cache_bytes"] == 0.75 * depth["generate"]["a_cache_bytes"]
+    for r in (mlp, depth):
+        assert r["predicted_speedup"] > 1 and r["forward"]["speedup"] > 0
+    assert "issue 12 target" in out and "n/a (needs sinv_prune.prune)" not in out
 
 
 def test_bench_recovery_quick(tmp_path, capsys, common):
