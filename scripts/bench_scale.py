@@ -78,6 +78,8 @@ def build(shape: str, layers: int | None, device: str, dtype: torch.dtype, seed:
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.LlamaForCausalLM._from_config(config, dtype=dtype)
+    if next(model.parameters()).device.type != torch.device(device).type:  # a transformers ignoring the context
+        model.to(device)
     return model.eval()
 
 
@@ -279,7 +281,9 @@ def parse(argv):
     for key in WORKLOADS["tiny"]:
         ap.add_argument("--" + key.replace("_", "-"), type=int, help=f"default {WORKLOADS['llama3-8b'][key]} "
                         f"(llama3-8b) / {WORKLOADS['tiny'][key]} (tiny)")  # fmt: skip
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument(
+        "--threads", type=int, help="torch CPU threads (default 1 on the CPU, as bench_speed; else torch's)"
+    )
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     for key, value in WORKLOADS[args.shape].items():
@@ -301,7 +305,7 @@ def run(argv=None) -> int:
     args = parse(argv)
     command = common.command_line(__file__, argv)
     device = common.pick_device(args.device)
-    common.set_threads(args.threads)
+    common.set_threads(args.threads or (1 if device == "cpu" else None))
     common.seed_everything(0)
     dtype = getattr(torch, args.dtype)
     info = common.machine(device)
