@@ -358,3 +358,20 @@ def test_bench_scale_cuda_tiny(tmp_path, capsys, common):
     measured = [r for r in result["rows"] if r["figure"].startswith(("build", "surgery: prune_heads", "criterion"))]
     assert measured and all(r["peak"].startswith("+") and r["peak"].endswith(" GiB") for r in measured)
     assert result["machine"]["gpu"]
+
+
+def test_gpu_check_script_refuses_bad_input(tmp_path):
+    """gpu_check.sh: an unknown argument, or no CUDA device, is one error line and exit 2, before any step runs."""
+    import os
+    import subprocess
+
+    import torch
+
+    script = SCRIPTS / "gpu_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT_DIR": str(tmp_path / "out")}
+    cases = [(["--bogus"], "unknown argument --bogus")]
+    if not torch.cuda.is_available():
+        cases.append(([], "torch sees no CUDA device"))
+    for args, message in cases:
+        proc = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr and "===" not in proc.stdout
