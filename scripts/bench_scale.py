@@ -202,6 +202,16 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _speed_rows(cut: str, result: dict, decode_tokens: int) -> list[dict]:
+    rows = []
+    for kind, unit in (("prefill", 1e3), ("decode", 1e3 / decode_tokens)):
+        r = result[kind]
+        times = f"{r['a_s'] * unit:.1f} -> {r['b_s'] * unit:.1f} ms"
+        ratio = f"{r['speedup'] / r['predicted']:.0%}"
+        rows.append(_row(kind, cut, times, "", f"{r['speedup']:.3f}x", f"{r['predicted']:.3f}x", ratio))
+    return rows
+
+
 def run_figures(args, device: str, dtype: torch.dtype) -> tuple[list[dict], dict]:
     rows: list[dict] = []
     gen = torch.Generator().manual_seed(0)
@@ -224,21 +234,21 @@ def run_figures(args, device: str, dtype: torch.dtype) -> tuple[list[dict], dict
             speed_rows += [_row(kind, name, why) for kind in ("prefill", "decode")]
             continue
         pruned = None
-        try:
+        try:  # one failing figure must not cost the others (a GPU run is one shot)
             pruned = copy.deepcopy(base)
             seconds, peak, _ = measure(lambda fn=fn, plan=plan, pruned=pruned: fn(pruned, plan), device)
             rows.append(_row(label, name, f"{seconds:.3f} s", _gib(peak)))
-            s = speed(base, pruned, args, device, gen)
-            for kind, unit in (("prefill", 1e3), ("decode", 1e3 / args.decode_tokens)):
-                r = s[kind]
-                speed_rows.append(_row(
-                    kind, name, f"{r['a_s'] * unit:.1f} -> {r['b_s'] * unit:.1f} ms", "", f"{r['speedup']:.3f}x",
-                    f"{r['predicted']:.3f}x", f"{r['speedup'] / r['predicted']:.0%}"))  # fmt: skip
-        except Exception as err:  # one failing figure must not cost the others (a GPU run is one shot)
+        except Exception as err:
             rows.append(_row(label, name, _err(err)))
-        finally:
-            del pruned
-            _free(device)
+            speed_rows += [_row(kind, name, "not run (surgery failed)") for kind in ("prefill", "decode")]
+            pruned = None
+        if pruned is not None:
+            try:
+                speed_rows += _speed_rows(name, speed(base, pruned, args, device, gen), args.decode_tokens)
+            except Exception as err:
+                speed_rows += [_row(kind, name, _err(err)) for kind in ("prefill", "decode")]
+        del pruned
+        _free(device)
 
     try:
         seconds, peak, _ = measure(lambda: sinv_prune.head_measures(base), device)
@@ -333,7 +343,7 @@ def run(argv=None) -> int:
     elapsed = time.perf_counter() - t0
     common.finish(info)
     print(f"elapsed {elapsed:.0f} s")
-    failed = [r for r in rows if r["time"].startswith("failed")]
+    failed = [r for r in rows if r["time"].startswith(("failed", "not run"))]
     common.write_json(args.json, {"command": command, "machine": info, "settings": {k: v for k, v in vars(args).items()
                       if not isinstance(v, Path)}, "model": model_info, "rows": rows, "table": text,
                       "elapsed_s": round(elapsed, 1)})  # fmt: skip

@@ -375,3 +375,21 @@ def test_gpu_check_script_refuses_bad_input(tmp_path):
     for args, message in cases:
         proc = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr and "===" not in proc.stdout
+
+
+def test_bench_scale_reports_a_failing_figure(tmp_path, capsys, monkeypatch):
+    """A figure that raises is a "failed: ..." row (its speed rows "not run"), the rest still run, exit status 1."""
+    import sinv_prune
+
+    def broken(model, plan):
+        raise ValueError("stand-in failure")
+
+    monkeypatch.setattr(sinv_prune, "prune", broken, raising=False)
+    argv = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--json", str(tmp_path / "scale.json")]
+    assert _script("bench_scale").main(argv) == 1
+    rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
+    mlp = [r["time"] for r in rows if r["cut"] == "MLP width 25%"]
+    assert mlp == ["failed: ValueError: stand-in failure", "not run (surgery failed)", "not run (surgery failed)"]
+    assert [r["time"] for r in rows if r["cut"] == "depth 25%"] == ["n/a (fewer than 4 layers)"] * 3
+    assert all(r["measured"] for r in rows if r["figure"] == "prefill" and r["cut"].startswith("heads"))
+    assert "| criterion: activation" in capsys.readouterr().out
