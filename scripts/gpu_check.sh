@@ -11,7 +11,7 @@
 #   SCALE_ARGS="--layers 16" bash scripts/gpu_check.sh    # half the depth where memory is short
 #   bash scripts/gpu_check.sh --cpu-smoke         # the script's own plumbing on a CPU: gpu tests (skipped),
 #                                                 # quickstart --dry-run, bench_scale --shape tiny
-# Step limits (seconds, sum 300): LIMIT_TESTS=60 LIMIT_QUICKSTART=100 LIMIT_SCALE=140.
+# Step limits (seconds, sum 300): LIMIT_TESTS=80 LIMIT_QUICKSTART=100 LIMIT_SCALE=120.
 #
 # Not run (too long for the budget); printed at the end: the second paper's optimizer comparison
 # at nanoGPT scale, scripts/bench_symmetry.py --preset nanogpt --device cuda.
@@ -61,13 +61,13 @@ step() {  # step NAME LIMIT_S LOG COMMAND...
     SUMMARY+=("$(printf '%-34s %-16s %4d s   log: %s' "$name" "$status" "$took" "$log")")
 }
 
-step "pytest -m gpu" "${LIMIT_TESTS:-60}" "$OUT_DIR/pytest_gpu.log" \
+step "pytest -m gpu" "${LIMIT_TESTS:-80}" "$OUT_DIR/pytest_gpu.log" \
     "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/
 step "quickstart recipe on $DEVICE" "${LIMIT_QUICKSTART:-100}" "$OUT_DIR/quickstart.log" \
     "$PYTHON" -c "from sinv_prune.cli import main; main()" run recipes/quickstart.yaml --device "$DEVICE" \
     --output "$OUT_DIR/quickstart" --overwrite --quiet "${QUICKSTART_EXTRA[@]}"
 # shellcheck disable=SC2086  # SCALE_ARGS is a list of options
-step "bench_scale $SHAPE on $DEVICE" "${LIMIT_SCALE:-140}" "$OUT_DIR/bench_scale.log" \
+step "bench_scale $SHAPE on $DEVICE" "${LIMIT_SCALE:-120}" "$OUT_DIR/bench_scale.log" \
     "$PYTHON" scripts/bench_scale.py --device "$DEVICE" --shape "$SHAPE" --json "$OUT_DIR/bench_scale.json" $SCALE_ARGS
 
 echo
