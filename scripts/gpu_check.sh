@@ -74,6 +74,6 @@ echo
 echo "=== summary ($((SECONDS - START)) s in all)"
 printf '%s\n' "${SUMMARY[@]}"
 echo
-echo "not run (hours, not minutes): the second paper's optimizer claim at nanoGPT scale:"
+echo "not run (longer than the 5-minute budget): the second paper's optimizer claim at nanoGPT scale:"
 echo "  $PYTHON scripts/bench_symmetry.py --preset nanogpt --device cuda --json $OUT_DIR/symmetry_nanogpt.json --plot $OUT_DIR/symmetry_nanogpt.png"
 exit $FAILED
