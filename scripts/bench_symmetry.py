@@ -33,6 +33,15 @@ this scale (F0 = 0, 2, 4 at 100 steps; -2, 0, 2 at the default 200) 0 gave the l
 
     python scripts/bench_symmetry.py                       # default budget, ~15 min on 2 cores
     python scripts/bench_symmetry.py --quick --json q.json --plot q.png   # < 2 min
+
+``--preset nanogpt`` runs the comparison at nanoGPT's small-GPT scale (the paper pretrains 124M GPT-2 with
+nanoGPT): 6 layers x 6 heads x 384, context 256, a word-level vocabulary of 8,192, AdamW at lr 1e-3,
+1,000 steps of 16 x 256 tokens, 3 seeds, C_Q every 50 steps: a GPU job (``--device cuda``; 18 runs).
+On WikiText-2 ``valid.txt`` (~0.2M words) that budget is ~19 passes over the training text, so the
+held-out loss also measures over-fitting; the training-loss trajectory (second table) shows the
+optimization speed on its own.
+
+    python scripts/bench_symmetry.py --preset nanogpt --device cuda --json n.json --plot n.png
 """
 
 from __future__ import annotations
@@ -74,11 +83,20 @@ QUICK = dict(  # --quick: well under 2 minutes
     layers=2, d_model=64, heads=4, vocab=1024, seq_len=32, batch=8, steps=30, seeds=1,
     measure_every=10, eval_tokens=4096,
 )  # fmt: skip
+NANOGPT = dict(  # --preset nanogpt: nanoGPT's small GPT (6 x 6 x 384, context 256); a GPU job
+    layers=6, d_model=384, heads=6, vocab=8192, seq_len=256, batch=16, steps=1000, seeds=3,
+    measure_every=50, eval_tokens=262144, adamw_lr=1e-3,
+)  # fmt: skip
+LR_DEFAULTS = dict(adamw_lr=2e-3)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps, one seed (< 2 minutes)")
+    p.add_argument(
+        "--preset", choices=("toy", "nanogpt"), default="toy", help="toy (default; CPU) or nanogpt (6x6x384; GPU)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     p.add_argument(
         "--report", type=Path, metavar="JSON", help="print the tables of an earlier --json file (and --plot)"
     )
@@ -98,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wikitext-dir", type=Path, default=Path(os.environ.get("SINV_PRUNE_WIKITEXT", WIKITEXT)))
     for name in ("layers", "d_model", "heads", "vocab", "seq_len", "batch", "measure_every", "eval_tokens"):
         p.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
-    p.add_argument("--adamw-lr", type=float, default=2e-3)
+    p.add_argument("--adamw-lr", type=float, help="default 2e-3 (1e-3 with --preset nanogpt)")
     p.add_argument("--sgd-lr", type=float, default=0.1)
     p.add_argument("--sgd-momentum", type=float, default=0.9)
     p.add_argument("--ecd-lr", type=float, default=1.0)
@@ -111,7 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip for AdamW and SGD (0: off); never ECD")
     args = p.parse_args(argv)
-    base = QUICK if args.quick else DEFAULTS
+    if args.quick and args.preset != "toy":
+        p.error("--quick is the toy preset's short mode; drop it with --preset nanogpt (or set --steps)")
+    base = {**LR_DEFAULTS, **(QUICK if args.quick else NANOGPT if args.preset == "nanogpt" else DEFAULTS)}
     for key, value in base.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -123,6 +143,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--d-model must be a multiple of --heads")
     if min(args.steps, args.seeds, args.measure_every, args.batch, args.seq_len) < 1:
         p.error("--steps, --seeds, --measure-every, --batch and --seq-len must be >= 1")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device: expected cpu, cuda, cuda:N or auto, got {args.device!r}")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device: expected cpu, cuda, cuda:N or auto, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device")
     return args
 
 
@@ -199,7 +229,7 @@ def mean_c_q(model) -> tuple[float, list[list[float]]]:
 
 
 def train_run(name: str, breaking: bool, seed: int, args, data: dict) -> dict:
-    model = make_model(args, data["info"]["vocab_size"], seed)
+    model = make_model(args, data["info"]["vocab_size"], seed).to(args.device)  # same init draw on any device
     if breaking:
         add_symmetry_breaking(model, seed=seed)  # the paper's default distributions
     model.train()
@@ -214,7 +244,7 @@ def train_run(name: str, breaking: bool, seed: int, args, data: dict) -> dict:
     c_q0, _ = mean_c_q(model)
     traj["step"].append(0), traj["C_Q_mean"].append(c_q0), traj["train_loss"].append(None)
     for step in range(1, args.steps + 1):
-        x = ids[starts[step - 1][:, None] + offsets]
+        x = ids[starts[step - 1][:, None] + offsets].to(args.device)
 
         def closure(x=x):
             opt.zero_grad(set_to_none=True)
@@ -237,7 +267,7 @@ def train_run(name: str, breaking: bool, seed: int, args, data: dict) -> dict:
             window = []
     train_s = time.perf_counter() - t0
     state = optimizer_state_bytes_per_param(opt)
-    ev = perplexity(model, data["eval_ids"], seq_len=args.seq_len, batch_size=32, progress=False)
+    ev = perplexity(model, data["eval_ids"], seq_len=args.seq_len, batch_size=32, device=args.device, progress=False)
     c_q_final, per_layer = mean_c_q(model)
     return {
         "optimizer": name, "breaking": breaking, "seed": seed, "optimizer_kwargs": optimizer_kwargs(name, args),
@@ -398,8 +428,10 @@ def main(argv=None) -> dict:
     del model
     tokens_per_run = args.steps * args.batch * args.seq_len
     arms = [b for b in (False, True) if args.breaking == "both" or (args.breaking == "on") == b]
+    gpu = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} with "
-          f"{args.threads} thread(s)")  # fmt: skip
+          f"{args.threads} thread(s); device {args.device}{', GPU ' + gpu if gpu else ''}; "
+          f"preset {args.preset}")  # fmt: skip
     print(f"data: {info['note']}")
     print(f"  train {info['train']}: {info['train_tokens']} tokens; eval {info['eval']}: first {info['eval_tokens']} "
           f"of {info['eval_tokens_available']} tokens, windows of {args.seq_len} (stride {args.seq_len}); "
@@ -432,6 +464,7 @@ def main(argv=None) -> dict:
     result = {
         "command": command, "argv": sys.argv[1:] if argv is None else list(argv),
         "machine": {"cpu_cores": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
+                    "device": args.device, "gpu": gpu,
                     "transformers": transformers.__version__, "platform": platform.platform()},
         "data": info,
         "model": {"arch": "gpt2", "layers": args.layers, "d_model": args.d_model, "heads": args.heads,
@@ -441,7 +474,8 @@ def main(argv=None) -> dict:
                      "tokens_per_run": tokens_per_run, "measure_every": args.measure_every,
                      "eval_tokens": info["eval_tokens"], "clip": args.clip,
                      "optimizers": {n: optimizer_kwargs(n, args) for n in args.optimizers},
-                     "b_q": DEFAULT_B_Q.to_json(), "b_v": DEFAULT_B_V.to_json(), "quick": args.quick},
+                     "b_q": DEFAULT_B_Q.to_json(), "b_v": DEFAULT_B_V.to_json(), "quick": args.quick,
+                     "preset": args.preset, "device": args.device},
         "runs": runs, "summary": summary, "breaking_effect": effects, "table": text, "plot": None,
     }  # fmt: skip
     if args.plot:

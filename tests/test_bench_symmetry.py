@@ -78,3 +78,42 @@ def test_quick_on_wikitext_says_train_valid_eval_test(tmp_path):
     assert result["data"]["train"] == "WikiText-2 valid.txt" and result["data"]["eval"] == "WikiText-2 test.txt"
     assert [(r["optimizer"], r["breaking"]) for r in result["runs"]] == [("ecd", True)]
     assert result["plot"] is None and result["breaking_effect"] == []
+
+
+def _module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_symmetry", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_presets_and_device_options():
+    """--preset nanogpt fills nanoGPT's small-GPT shape (explicit options still win); --device is validated."""
+    import torch
+
+    bench = _module()
+    toy = bench.parse_args([])
+    assert (toy.preset, toy.device, toy.layers, toy.d_model, toy.adamw_lr) == ("toy", "cpu", 2, 128, 2e-3)
+    nano = bench.parse_args(["--preset", "nanogpt", "--seeds", "1"])
+    assert (nano.layers, nano.heads, nano.d_model, nano.seq_len, nano.vocab) == (6, 6, 384, 256, 8192)
+    assert (nano.steps, nano.batch, nano.seeds, nano.adamw_lr) == (1000, 16, 1, 1e-3)
+    assert bench.parse_args(["--device", "auto"]).device == ("cuda" if torch.cuda.is_available() else "cpu")
+    bad = [["--preset", "nanogpt", "--quick"], ["--device", "tpu"]]
+    if not torch.cuda.is_available():
+        bad.append(["--device", "cuda"])
+    for argv in bad:
+        with pytest.raises(SystemExit) as err:
+            bench.parse_args(argv)
+        assert err.value.code == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_quick_on_cuda(tmp_path):
+    out = run("--quick", "--data", "synthetic", "--device", "cuda", "--steps", "3", "--measure-every", "3",
+              "--json", str(tmp_path / "r.json"))  # fmt: skip
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["settings"]["device"] == "cuda" and result["machine"]["gpu"] and "device cuda" in out
+    assert all(r["eval_loss"] > 0 and 0 < r["C_Q_end"] < 1 for r in result["runs"])
