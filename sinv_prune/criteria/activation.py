@@ -96,7 +96,9 @@ class ActivationCriterion(Criterion):
         for layer, (stats, (module, groups, expected)) in enumerate(zip(self._stats, sites, strict=True)):
             width = 0 if stats is None else stats["sum"].numel()
             if width != expected:
-                raise ValueError(f"activation: {_NOUN[self.unit]} counts changed since the batches were seen; call reset()")
+                raise ValueError(
+                    f"activation: {_NOUN[self.unit]} counts changed since the batches were seen; call reset()"
+                )
             if stats is None:
                 out.append([])
                 continue
@@ -111,7 +113,9 @@ class ActivationCriterion(Criterion):
             sizes = [adapter.intermediate_size(layer) for layer in range(adapter.num_layers)]
             return [(adapter.mlp_out(layer), n, n) for layer, n in enumerate(sizes)]
         layouts = [adapter.layout(layer) for layer in range(adapter.num_layers)]
-        return [(adapter.out_proj(layer), lay.num_heads, lay.num_heads * lay.head_dim) for layer, lay in enumerate(layouts)]
+        return [
+            (adapter.out_proj(layer), lay.num_heads, lay.num_heads * lay.head_dim) for layer, lay in enumerate(layouts)
+        ]
 
     def report(self) -> dict:
         return {"metric": self.metric, "batches": self.batches, "tokens": self.tokens}
@@ -138,7 +142,9 @@ class ActivationCriterion(Criterion):
         if self._stats is None:
             self._stats = stats
         elif [0 if s is None else s["sum"].numel() for s in self._stats] != widths:
-            raise ValueError(f"activation: {_NOUN[self.unit]} counts changed between batches; call reset() after pruning")
+            raise ValueError(
+                f"activation: {_NOUN[self.unit]} counts changed between batches; call reset() after pruning"
+            )
         else:
             for acc, new in zip(self._stats, stats, strict=True):
                 if acc is not None:

@@ -47,7 +47,9 @@ class BlockInfluenceCriterion(Criterion):
         batch.pop("labels", None)
         mask = batch.get("attention_mask")
         sums: dict[int, torch.Tensor] = {}
-        hooks = [block.register_forward_hook(_cosine(sums, i, mask), with_kwargs=True) for i, block in enumerate(blocks)]
+        hooks = [
+            block.register_forward_hook(_cosine(sums, i, mask), with_kwargs=True) for i, block in enumerate(blocks)
+        ]
         try:
             with preserve_modes(model), torch.no_grad():
                 model(**batch)
@@ -86,7 +88,9 @@ def _cosine(store: dict, index: int, mask):
         cos = nn.functional.cosine_similarity(x.detach().double(), y.detach().double(), dim=-1)  # [B, T]
         if isinstance(mask, torch.Tensor):
             if tuple(mask.shape) != tuple(cos.shape):
-                raise ValueError(f"block_influence: attention_mask {tuple(mask.shape)} does not match tokens {tuple(cos.shape)}")
+                raise ValueError(
+                    f"block_influence: attention_mask {tuple(mask.shape)} does not match tokens {tuple(cos.shape)}"
+                )
             cos = cos[mask.to(cos.device) != 0]
         store[index] = (cos.sum(), cos.numel())
 

@@ -29,5 +29,7 @@ class RandomCriterion(Criterion):
 
     def scores(self, model: nn.Module) -> Scores:
         generator = torch.Generator().manual_seed(self.seed)
-        values = to_scores(torch.rand(n, generator=generator, dtype=torch.float64) for n in unit_counts(model, self.unit))
+        values = to_scores(
+            torch.rand(n, generator=generator, dtype=torch.float64) for n in unit_counts(model, self.unit)
+        )
         return values[0] if self.unit == "layers" else values

@@ -82,7 +82,8 @@ class TaylorCriterion(Criterion):
             self._importance = per_layer
         else:
             if [t.numel() for t in per_layer] != [t.numel() for t in self._importance]:
-                raise ValueError(f"taylor: {'channel' if self.unit == 'mlp' else 'head'} counts changed between batches; call reset() after pruning")
+                noun = "channel" if self.unit == "mlp" else "head"
+                raise ValueError(f"taylor: {noun} counts changed between batches; call reset() after pruning")
             self._importance = [a + b for a, b in zip(self._importance, per_layer, strict=True)]
         self.batches += 1
 
