@@ -135,7 +135,7 @@ def test_taylor_channels_equal_finite_differences():
             expected += abs(losses[0] - losses[1]) / (2 * eps)
         assert scores[layer][channel] == pytest.approx(expected, rel=1e-6) and expected > 0
     normalized = get_criterion("taylor", unit="mlp").compute(model, data)
-    assert all(math.isclose(sum(x * x for x in row), 1.0, rel_tol=1e-9) for row in normalized)
+    assert all(math.isclose(sum(x * x for x in row), 1.0, rel_tol=1e-5) for row in normalized)
 
 
 @pytest.mark.parametrize("unit", ["heads", "mlp"])
