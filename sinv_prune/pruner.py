@@ -361,7 +361,7 @@ class Pruner:
 
 
 class HeadPruner:
-    """Criterion + selection + :func:`~sinv_prune.prune_heads` in one object.
+    """Criterion + selection + :func:`~sinv_prune.prune_heads` in one object (a :class:`Pruner` with one heads part).
 
     ``criterion`` is a registered name (built with ``criterion_options``; a criterion
     taking a ``seed`` gets the pruner's ``seed`` unless the options set one) or a

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import model_inputs, model_output, smollm2_gguf, tiny_model
+from conftest import model_inputs, model_output, tiny_model
 
 from sinv_prune import channel_gates, get_adapter, head_measures, prune_heads, select_layers
 from sinv_prune.arch.base import linear_weight
@@ -37,7 +37,8 @@ def batches(n: int = 2) -> list[dict]:
 
 
 def test_units_of_every_builtin_criterion():
-    assert {name: criterion_class(name).units for name in available_criteria()} == EXPECTED_UNITS
+    assert set(EXPECTED_UNITS) <= set(available_criteria())
+    assert {name: criterion_class(name).units for name in EXPECTED_UNITS} == EXPECTED_UNITS
     assert Criterion.units == ("heads",) and get_criterion("random").unit == "heads"
     assert get_criterion("magnitude", unit="mlp", p=1).unit == "mlp"
     with pytest.raises(ValueError, match=r"criterion 'entropy' does not score 'mlp'; it scores: heads"):
@@ -260,16 +261,3 @@ def test_sinv_depth_layer_without_heads_uses_the_model_mean():
 def test_criterion_instance_scoring_directly_defaults_to_heads():
     model = tiny_model("gpt2")
     assert MagnitudeCriterion().compute(model) == get_criterion("magnitude").compute(model)
-
-
-def test_block_influence_on_smollm2():
-    """The one real-model check: SmolLM2-135M, two short batches, one finite score per layer."""
-    import sinv_prune
-
-    gguf = smollm2_gguf()
-    model = sinv_prune.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(100, 40000, (1, 16), generator=g)} for _ in range(2)]
-    scores = get_criterion("block_influence", unit="layers").compute(model, data)
-    assert len(scores) == get_adapter(model).num_layers == 30
-    assert all(math.isfinite(x) and -1e-6 <= x <= 2 for x in scores)
