@@ -10,7 +10,14 @@ from conftest import model_inputs, model_output, tiny_model
 
 from sinv_prune import channel_gates, get_adapter, head_measures, prune_heads, select_layers
 from sinv_prune.arch.base import linear_weight
-from sinv_prune.criteria import Criterion, MagnitudeCriterion, available_criteria, criterion_class, get_criterion
+from sinv_prune.criteria import (
+    BlockInfluenceCriterion,
+    Criterion,
+    MagnitudeCriterion,
+    available_criteria,
+    criterion_class,
+    get_criterion,
+)
 from sinv_prune.criteria.base import frozen_parameters
 
 EXPECTED_UNITS = {
@@ -258,6 +265,13 @@ def test_sinv_depth_layer_without_heads_uses_the_model_mean():
     assert scores[1] == pytest.approx(-measures["C_FF"][1] / (sum(every) / len(every)))
 
 
-def test_criterion_instance_scoring_directly_defaults_to_heads():
+def test_an_instance_built_directly_scores_its_first_unit():
     model = tiny_model("gpt2")
+    assert MagnitudeCriterion().unit == "heads"
     assert MagnitudeCriterion().compute(model) == get_criterion("magnitude").compute(model)
+    assert BlockInfluenceCriterion().unit == "layers"
+    criterion = MagnitudeCriterion()
+    criterion.unit = "mlp"
+    assert [len(r) for r in criterion.compute(model)] == [128] * 3 and "unit='mlp'" in repr(criterion)
+    with pytest.raises(ValueError, match="criterion 'magnitude' does not score 'layers'; it scores: heads, mlp"):
+        criterion.unit = "layers"

@@ -12,7 +12,7 @@ import yaml
 from conftest import model_inputs, model_output, tiny_model
 
 from sinv_prune import channel_gates, get_adapter, head_gates, head_measures, prune_heads, surgery
-from sinv_prune.criteria import Criterion, RandomCriterion, get_criterion
+from sinv_prune.criteria import BlockInfluenceCriterion, Criterion, RandomCriterion, get_criterion
 from sinv_prune.pruner import HeadPruner, Part, Pruner
 from sinv_prune.recipe import validate_recipe
 from sinv_prune.record import get_record
@@ -289,6 +289,7 @@ def test_part_checks_its_settings():
         Part("mlp", get_criterion("random", unit="mlp"), 1, criterion_options={"seed": 1})
     assert Part("layers", "random", 1, seed=4).criterion.seed == 4
     assert Part("mlp", get_criterion("magnitude", unit="mlp"), 1).criterion.unit == "mlp"
+    assert Part("layers", BlockInfluenceCriterion(), 1).criterion.unit == "layers"
 
 
 def test_pruner_checks_its_parts():

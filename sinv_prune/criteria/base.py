@@ -45,7 +45,18 @@ class Criterion:
 
     name: ClassVar[str] = ""
     units: ClassVar[tuple[str, ...]] = ("heads",)
-    unit: str = "heads"
+
+    @property
+    def unit(self) -> str:
+        """The unit this instance scores: the one set by ``get_criterion``, else the class's first."""
+        return self.__dict__.get("_unit", self.units[0])
+
+    @unit.setter
+    def unit(self, value: str) -> None:
+        if value not in self.units:
+            raise ValueError(f"criterion {self.name!r} does not score {value!r}; it scores: {', '.join(self.units)}")
+        self._unit = value
+
     needs_data: ClassVar[bool] = False
     needs_trace: ClassVar[bool] = False
 
@@ -88,8 +99,10 @@ class Criterion:
         return self.scores(model)
 
     def __repr__(self) -> str:
-        options = ", ".join(f"{k}={_short(v)}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({options})"
+        options = [f"{k}={_short(v)}" for k, v in vars(self).items() if not k.startswith("_")]
+        if self.unit != self.units[0]:
+            options.append(f"unit={self.unit!r}")
+        return f"{type(self).__name__}({', '.join(options)})"
 
 
 def _short(value: Any) -> str:
