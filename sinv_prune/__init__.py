@@ -1,14 +1,15 @@
-"""sinv_prune: find and physically remove attention heads from transformers models."""
+"""sinv_prune: find and physically remove attention heads (and MLP channels, layers) from transformers models."""
 
 from sinv_prune.arch import get_adapter, register_adapter, supported_model_types
 from sinv_prune.checkpoint import from_pretrained
 from sinv_prune.criteria import Criterion, available_criteria, get_criterion, register_criterion
 from sinv_prune.diagnostics import plot_trace, summarize_trace, time_to_threshold
-from sinv_prune.gates import head_gates
+from sinv_prune.gates import channel_gates, head_gates
 from sinv_prune.hub import push_pruned
 from sinv_prune.measures import head_measures
-from sinv_prune.pruner import HeadPruner
+from sinv_prune.pruner import HeadPruner, Part, Pruner
 from sinv_prune.selection import select_heads
+from sinv_prune.selection_units import select_channels, select_layers
 from sinv_prune.surgery import PruneSummary, count_parameters, prune_heads
 from sinv_prune.symmetry import ECD, add_symmetry_breaking, build_optimizer, restore_symmetry_breaking
 from sinv_prune.tracking import ConvergenceCallback, HeadFreezer, stop_rule, track
@@ -19,6 +20,7 @@ __all__ = [
     "add_symmetry_breaking",
     "available_criteria",
     "build_optimizer",
+    "channel_gates",
     "ConvergenceCallback",
     "count_parameters",
     "Criterion",
@@ -30,14 +32,18 @@ __all__ = [
     "head_measures",
     "HeadFreezer",
     "HeadPruner",
+    "Part",
     "plot_trace",
     "prune_heads",
+    "Pruner",
     "push_pruned",
     "PruneSummary",
     "register_adapter",
     "register_criterion",
     "restore_symmetry_breaking",
+    "select_channels",
     "select_heads",
+    "select_layers",
     "stop_rule",
     "summarize_trace",
     "supported_model_types",

@@ -1,9 +1,11 @@
-"""Head gates: a multiplier per head on the input of the output projection.
+"""Gates: a multiplier per head (or per MLP channel) on the input of the output (down) projection.
 
 Michel et al. (2019, "Are Sixteen Heads Really Better than One?") score heads by
 ``|dL/d gate|``. Gating the concatenated head outputs just before the output
 projection works the same under every attention implementation (eager, sdpa,
-flash), and a gate of 0 is exactly the removal of that head.
+flash), and a gate of 0 is exactly the removal of that head. Channel gates do the
+same for MLP channels at the down projection's input (a gate of 0 removes the channel,
+bias of the down projection aside, which stays).
 """
 
 from __future__ import annotations
@@ -38,6 +40,28 @@ def head_gates(model: nn.Module, *, requires_grad: bool = True) -> Iterator[list
             gate = torch.ones(layout.num_heads, device=proj.weight.device, requires_grad=requires_grad)
             gates.append(gate)
             handles.append(proj.register_forward_pre_hook(_gate_hook(gate, layout.head_dim)))
+        yield gates
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def channel_gates(model: nn.Module, *, requires_grad: bool = True) -> Iterator[list[torch.Tensor]]:
+    """Within the block, MLP channel ``j`` of layer ``l`` is scaled by ``gates[l][j]`` (initially 1).
+
+    The gate multiplies the down projection's input (``adapter.mlp_out``), so it scales the
+    channel after its activation (and after the gate product of gated MLPs). Float32 leaf
+    tensors on each layer's device, as :func:`head_gates`.
+    """
+    adapter = get_adapter(model)
+    gates, handles = [], []
+    try:
+        for layer in range(adapter.num_layers):
+            down = adapter.mlp_out(layer)
+            gate = torch.ones(adapter.intermediate_size(layer), device=down.weight.device, requires_grad=requires_grad)
+            gates.append(gate)
+            handles.append(down.register_forward_pre_hook(_gate_hook(gate, 1)))
         yield gates
     finally:
         for handle in handles:

@@ -11,12 +11,13 @@ import torch
 import yaml
 from conftest import model_inputs, model_output, tiny_model
 
-from sinv_prune import get_adapter, head_gates, head_measures, prune_heads
-from sinv_prune.criteria import Criterion, RandomCriterion, get_criterion
-from sinv_prune.pruner import HeadPruner
+from sinv_prune import channel_gates, get_adapter, head_gates, head_measures, prune_heads, surgery
+from sinv_prune.criteria import BlockInfluenceCriterion, Criterion, RandomCriterion, get_criterion
+from sinv_prune.pruner import HeadPruner, Part, Pruner
 from sinv_prune.recipe import validate_recipe
 from sinv_prune.record import get_record
 from sinv_prune.selection import model_layouts, select_heads
+from sinv_prune.surgery import PruneSummary
 
 
 def masked_output(model, heads: dict[int, list[int]], inputs) -> torch.Tensor:
@@ -262,3 +263,177 @@ def test_rounds_errors_before_any_change():
     with pytest.raises(ValueError, match="cannot remove exactly 4 heads in mode 'uniform'"):
         HeadPruner("random", 4, mode="uniform", rounds=2, exact=True).prune(model)
     assert get_record(model.config) is None
+
+
+# -- Pruner: parts for every unit, one plan, one removal call ------------------------------
+
+
+def test_part_checks_its_settings():
+    with pytest.raises(ValueError, match="unknown unit 'neurons'; choose one of heads, mlp, layers"):
+        Part("neurons", "random", 1)
+    with pytest.raises(ValueError, match="criterion 'entropy' does not score 'mlp'; it scores: heads"):
+        Part("mlp", "entropy", 1)
+    with pytest.raises(ValueError, match="scores 'heads', not 'mlp'"):
+        Part("mlp", RandomCriterion(), 1)
+    with pytest.raises(ValueError, match="layout applies to heads parts only"):
+        Part("mlp", "random", 1, layout="kv_groups")
+    with pytest.raises(ValueError, match="multiple applies to mlp parts only"):
+        Part("heads", "random", 1, multiple=8)
+    with pytest.raises(ValueError, match="its mode must be 'global'"):
+        Part("layers", "random", 1, mode="per_layer")
+    with pytest.raises(ValueError, match="min_per_layer must be at least 1 for 'mlp'"):
+        Part("mlp", "random", 1, min_per_layer=0)
+    with pytest.raises(ValueError, match="multiple must be a positive integer"):
+        Part("mlp", "random", 1, multiple=0)
+    with pytest.raises(ValueError, match="criterion_options only apply"):
+        Part("mlp", get_criterion("random", unit="mlp"), 1, criterion_options={"seed": 1})
+    assert Part("layers", "random", 1, seed=4).criterion.seed == 4
+    assert Part("mlp", get_criterion("magnitude", unit="mlp"), 1).criterion.unit == "mlp"
+    assert Part("layers", BlockInfluenceCriterion(), 1).criterion.unit == "layers"
+
+
+def test_pruner_checks_its_parts():
+    with pytest.raises(ValueError, match="non-empty list of Part"):
+        Pruner([])
+    with pytest.raises(ValueError, match="parts must be Part instances"):
+        Pruner(["heads"])
+    with pytest.raises(ValueError, match="one part per unit"):
+        Pruner([Part("mlp", "random", 1), Part("mlp", "magnitude", 1)])
+    with pytest.raises(ValueError, match="rounds > 1 is supported for heads-only pruners"):
+        Pruner([Part("heads", "random", 1), Part("mlp", "random", 1)], rounds=2)
+    with pytest.raises(ValueError, match="unknown compensation"):
+        Pruner([Part("mlp", "random", 1)], compensate="magic")
+    pruner = Pruner(
+        [Part("mlp", "random", 1), Part("heads", "random", 1, min_per_layer=0), Part("layers", "random", 1)]
+    )
+    assert [p.unit for p in pruner.parts] == ["layers", "heads", "mlp"]  # layers are selected first
+    assert pruner.allow_empty_layers and not Pruner([Part("heads", "random", 1)]).allow_empty_layers
+
+
+def test_mixed_select_takes_layers_first_and_meets_every_amount():
+    """Layer 1 has the lowest heads and channels too: they are not counted, the others' are."""
+    model = tiny_model("llama")  # 3 layers of 6 heads (2 KV groups) and 64 channels
+    scores = {
+        "layers": [0.9, 0.1, 0.5],
+        "heads": [[1.0 + h for h in range(6)], [0.0] * 6, [2.0 + h for h in range(6)]],
+        "mlp": [[1.0 + c for c in range(64)], [0.0] * 64, [2.0 + c for c in range(64)]],
+    }
+    pruner = Pruner([Part("heads", "random", 4), Part("mlp", "random", 0.25, multiple=8), Part("layers", "random", 1)])
+    plan = pruner.select(model, scores)
+    assert plan["layers"] == [1]
+    assert plan["heads"] == {0: [0, 1], 2: [0, 1]} or plan["heads"] == {0: [0, 3], 2: [0, 3]}
+    assert sum(map(len, plan["heads"].values())) == 4
+    assert set(plan["mlp"]) <= {0, 2} and sum(map(len, plan["mlp"].values())) == 32  # a quarter of 2 x 64
+    assert all((64 - len(c)) % 8 == 0 for c in plan["mlp"].values())
+    assert pruner.last_selection == plan
+    without_layers = Pruner([Part("heads", "random", 4), Part("mlp", "random", 8)]).select(model, scores)
+    assert 1 in without_layers["heads"] and 1 in without_layers["mlp"]
+    with pytest.raises(ValueError, match=r"scores are missing for unit\(s\) \['mlp'\]"):
+        pruner.select(model, {"layers": scores["layers"], "heads": scores["heads"]})
+    with pytest.raises(ValueError, match="layer scores must have one float for each of the 3 layers"):
+        pruner.select(model, {**scores, "layers": [0.1, 0.2]})
+    with pytest.raises(ValueError, match="mlp scores must be a list per layer of the 3 layers"):
+        pruner.select(model, {**scores, "mlp": scores["mlp"][:2]})
+
+
+def test_pruner_scores_every_part():
+    model = tiny_model("gpt2")
+    batches = iter([model_inputs(seed) for seed in range(2)])  # one-shot: read once, used by two criteria
+    pruner = Pruner([Part("layers", "block_influence", 1), Part("mlp", "taylor", 16), Part("heads", "magnitude", 2)])
+    plan = pruner.select(model, batches=batches)
+    assert set(pruner.last_scores) == {"layers", "heads", "mlp"}
+    assert len(pruner.last_scores["layers"]) == 3 and [len(r) for r in pruner.last_scores["mlp"]] == [128] * 3
+    assert len(plan["layers"]) == 1 and sum(map(len, plan["mlp"].values())) == 16
+    report = pruner.report()
+    assert [p["unit"] for p in report["parts"]] == ["layers", "heads", "mlp"]
+    assert (
+        report["parts"][0]["criterion_report"]["batches"] == 2
+        and report["parts"][2]["criterion_report"]["batches"] == 2
+    )
+    assert report["parts"][2]["multiple"] == 1 and report["parts"][1]["layout"] == "q_per_group"
+    json.dumps(report)
+
+
+def test_prune_makes_one_call_to_surgery_prune(monkeypatch):
+    calls = []
+
+    def fake_prune(model, plan, **kw):
+        calls.append((plan, kw))
+        return PruneSummary([], 10, 5)
+
+    monkeypatch.setattr(surgery, "prune", fake_prune, raising=False)
+    model = tiny_model("llama")
+    batches = [model_inputs(seed) for seed in range(2)]
+    pruner = Pruner([Part("mlp", "activation", 0.25, multiple=8), Part("layers", "block_influence", 1)])
+    summary = pruner.prune(model, batches=batches)
+    assert len(calls) == 1 and calls[0] == (pruner.last_selection, {})
+    assert summary.params_after == 5 and set(calls[0][0]) == {"mlp", "layers"}
+    assert pruner.report()["per_round"][0]["selection"]["layers"] == calls[0][0]["layers"]
+
+    calls.clear()
+    compensated = Pruner([Part("mlp", "magnitude", 8)], compensate="lsq", compensation_options={"ridge": 0.1})
+    with pytest.raises(ValueError, match="needs calibration batches"):
+        compensated.prune(model)
+    assert calls == []
+    compensated.prune(model, calibration=batches)
+    assert calls[0][1] == {"calibration": batches, "compensate": "lsq", "ridge": 0.1}
+    assert get_record(model.config) is None  # the fake removed nothing
+
+
+def test_heads_only_pruner_is_head_pruner():
+    model, reference = tiny_model("llama"), tiny_model("llama")
+    batches = [model_inputs(seed) for seed in range(2)]
+    pruner = Pruner([Part("heads", "taylor", 6, mode="uniform")], rounds=2)
+    summary = pruner.prune(model, batches=batches)
+    expected = HeadPruner("taylor", 6, mode="uniform", rounds=2)
+    expected_summary = expected.prune(reference, batches=batches)
+    assert pruner.last_selection == {"heads": expected.last_selection}
+    assert summary.to_dict() == expected_summary.to_dict()
+    reference_state = reference.state_dict()
+    assert all(torch.equal(t, reference_state[k]) for k, t in model.state_dict().items())
+    assert pruner.last_rounds == expected.last_rounds
+
+
+def identity_blocks(model, layers: list[int]) -> list:
+    """Hooks making the given blocks return their input (the reference for removing them)."""
+
+    def hook(module, args, kwargs, output):
+        x = args[0] if args else kwargs["hidden_states"]
+        return (x, *output[1:]) if isinstance(output, tuple) else x
+
+    blocks = get_adapter(model).layers()
+    return [blocks[i].register_forward_hook(hook, with_kwargs=True) for i in layers]
+
+
+@pytest.mark.skipif(not hasattr(surgery, "prune"), reason="needs surgery.prune (merge)")
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_mixed_prune_equals_the_masked_reference(which):
+    model = tiny_model(which)
+    reference = copy.deepcopy(model)
+    batches = [model_inputs(seed) for seed in range(2)]
+    pruner = Pruner(
+        [
+            Part("layers", "block_influence", 1),
+            Part("mlp", "activation", 0.25, multiple=8, criterion_options={"metric": "magnitude"}),
+            Part("heads", "magnitude", 2),
+        ]
+    )
+    pruner.prune(model, batches=batches)
+    plan = pruner.last_selection
+    kept = [layer for layer in range(3) if layer not in plan["layers"]]
+    assert get_adapter(model).num_layers == 2
+    sizes = [get_adapter(model).intermediate_size(i) for i in range(2)]
+    assert sizes == [get_adapter(reference).intermediate_size(k) - len(plan["mlp"].get(k, [])) for k in kept]
+    inputs = model_inputs(7)
+    hooks = identity_blocks(reference, plan["layers"])
+    try:
+        with head_gates(reference, requires_grad=False) as heads, channel_gates(reference, requires_grad=False) as mlp:
+            for layer, removed in plan["heads"].items():
+                heads[layer][removed] = 0.0
+            for layer, removed in plan["mlp"].items():
+                mlp[layer][removed] = 0.0
+            expected = model_output(reference, inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    torch.testing.assert_close(model_output(model, inputs), expected)

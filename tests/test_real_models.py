@@ -255,3 +255,12 @@ def test_smollm2_uneven_pruning_reloads_through_remote_code(smollm2, tmp_path):
     assert type(reloaded).__name__ == "SinvPrunedLlamaForCausalLM"
     assert sinv_prune.count_parameters(reloaded) == summary.params_after
     torch.testing.assert_close(logits(reloaded, input_ids), got, atol=0, rtol=0)
+
+
+def test_block_influence_on_smollm2(smollm2):
+    """Layer criterion sanity on a real model: two short batches, one finite score per layer."""
+    model, input_ids = smollm2
+    data = [{"input_ids": input_ids[:, :16]}, {"input_ids": input_ids[:, 16:32]}]
+    scores = sinv_prune.get_criterion("block_influence", unit="layers").compute(model, data)
+    assert len(scores) == sinv_prune.get_adapter(model).num_layers == 30
+    assert all(torch.isfinite(torch.tensor(x)) and 0 <= x <= 2 for x in scores)

@@ -1,12 +1,22 @@
-"""Head criteria: a registry from name to :class:`Criterion` class.
+"""Criteria: a registry from name to :class:`Criterion` class.
 
-Built in: ``random``, ``magnitude``, ``sinv_static``, ``sinv_gauge``, ``sinv_early``,
-``taylor``, ``entropy``, ``activation``. Users add their own with the decorator::
+A criterion scores one unit: attention ``heads``, ``mlp`` channels or whole ``layers``
+(``Criterion.units`` lists those a class can score; ``get_criterion(name, unit=...)``
+picks one, default ``"heads"``). Built in, by unit:
+
+* heads: ``random``, ``magnitude``, ``sinv_static``, ``sinv_gauge``, ``sinv_early``,
+  ``taylor``, ``entropy``, ``activation``;
+* mlp: ``random``, ``magnitude``, ``taylor``, ``activation``;
+* layers: ``random``, ``block_influence``, ``sinv_depth``.
+
+Users add their own with the decorator::
 
     @register_criterion("my_score")
     class MyScore(Criterion):
+        units = ("heads", "mlp")
+
         def scores(self, model):
-            ...
+            ...  # scores of self.unit
 
 and name it in a recipe (options are the class's constructor keywords)::
 
@@ -55,9 +65,14 @@ def criterion_class(name: str) -> type[Criterion]:
     return _CRITERIA[name]
 
 
-def get_criterion(name: str, **options) -> Criterion:
-    """A new instance of the criterion ``name`` built with ``options``; unknown names and options raise."""
+def get_criterion(name: str, unit: str = "heads", **options) -> Criterion:
+    """A new instance of the criterion ``name`` scoring ``unit``, built with ``options``.
+
+    Unknown names, units the criterion does not score and unknown options raise.
+    """
     cls = criterion_class(name)
+    if unit not in cls.units:
+        raise ValueError(f"criterion {name!r} does not score {unit!r}; it scores: {', '.join(cls.units)}")
     params = inspect.signature(cls).parameters
     try:
         inspect.signature(cls).bind(**options)
@@ -68,12 +83,15 @@ def get_criterion(name: str, **options) -> Criterion:
             f"criterion {name!r} does not accept option(s) {unknown or sorted(options)}; "
             f"its options: {', '.join(accepted) or 'none'}"
         ) from None
-    return cls(**options)
+    criterion = cls(**options)
+    criterion.unit = unit
+    return criterion
 
 
-from sinv_prune.criteria import activation, entropy, magnitude, random, sinv, taylor  # noqa: E402,F401  (registration)
+from sinv_prune.criteria import activation, entropy, layers, magnitude, random, sinv, taylor  # noqa: E402,F401  (registration)
 from sinv_prune.criteria.activation import ActivationCriterion  # noqa: E402
 from sinv_prune.criteria.entropy import EntropyCriterion  # noqa: E402
+from sinv_prune.criteria.layers import BlockInfluenceCriterion, SinvDepthCriterion  # noqa: E402
 from sinv_prune.criteria.magnitude import MagnitudeCriterion  # noqa: E402
 from sinv_prune.criteria.random import RandomCriterion  # noqa: E402
 from sinv_prune.criteria.sinv import SinvEarlyCriterion, SinvGaugeCriterion, SinvStaticCriterion  # noqa: E402
@@ -81,12 +99,14 @@ from sinv_prune.criteria.taylor import TaylorCriterion  # noqa: E402
 
 __all__ = [
     "ActivationCriterion",
+    "BlockInfluenceCriterion",
     "Criterion",
     "EntropyCriterion",
     "MagnitudeCriterion",
     "RandomCriterion",
     "Scores",
     "SinvEarlyCriterion",
+    "SinvDepthCriterion",
     "SinvGaugeCriterion",
     "SinvStaticCriterion",
     "TaylorCriterion",

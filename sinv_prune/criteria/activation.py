@@ -1,4 +1,4 @@
-"""Activation-aware head scores from calibration batches: FLAP's fluctuation, or a Wanda-style magnitude."""
+"""Activation-aware head and MLP-channel scores from calibration batches: FLAP's fluctuation, or Wanda-style."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from sinv_prune.arch import get_adapter
+from sinv_prune.arch.base import linear_weight
 from sinv_prune.criteria import register_criterion
 from sinv_prune.criteria.base import Criterion, Scores, batch_to, model_device, preserve_modes
 
 METRICS = ("fluctuation", "magnitude")
+_NOUN = {"heads": "head", "mlp": "channel"}
 
 
 @register_criterion("activation")
@@ -38,6 +40,12 @@ class ActivationCriterion(Criterion):
     Higher = keep. Under GQA every query head is scored on its own (selection keeps groups
     valid). The weights are read when :meth:`scores` is called.
 
+    ``unit="mlp"`` scores MLP channels the same way at the down projection's input
+    (``adapter.mlp_out``), every channel a "head" of width 1 and ``W_O`` the down projection:
+    ``metric="magnitude"`` is then Wanda's channel score, ``mean_t |x_j(t)| * ||W_down[:, j]||_2``
+    (the mean absolute activation of the channel times its column norm), and
+    ``metric="fluctuation"`` FLAP's ``Var_t(x_j) * ||W_down[:, j]||^2``.
+
     .. code-block:: yaml
 
         criterion: activation
@@ -45,6 +53,7 @@ class ActivationCriterion(Criterion):
     """
 
     needs_data = True
+    units = ("heads", "mlp")
 
     def __init__(self, metric: str = "fluctuation"):
         if metric not in METRICS:
@@ -61,12 +70,12 @@ class ActivationCriterion(Criterion):
         adapter = get_adapter(model)
         batch = batch_to(batch, model_device(model))
         batch.pop("labels", None)
-        layouts = [adapter.layout(layer) for layer in range(adapter.num_layers)]
+        sites = self._sites(adapter)
         seen: dict[int, dict[str, torch.Tensor]] = {}
         hooks = [
-            adapter.out_proj(layer).register_forward_pre_hook(_collect(seen, layer, lay.num_heads, batch))
-            for layer, lay in enumerate(layouts)
-            if lay.num_heads
+            module.register_forward_pre_hook(_collect(seen, layer, groups, batch))
+            for layer, (module, groups, _) in enumerate(sites)
+            if groups
         ]
         try:
             with preserve_modes(model), torch.no_grad():
@@ -74,24 +83,39 @@ class ActivationCriterion(Criterion):
         finally:
             for hook in hooks:
                 hook.remove()
-        self._merge(seen, [lay.num_heads * lay.head_dim for lay in layouts])
+        self._merge(seen, [width for _, _, width in sites])
 
     def scores(self, model: nn.Module) -> Scores:
         if self._stats is None:
             raise ValueError("activation: no batch seen; call update(model, batch) first")
         adapter = get_adapter(model)
+        sites = self._sites(adapter)
+        if len(sites) != len(self._stats):
+            raise ValueError("activation: the layer count changed since the batches were seen; call reset()")
         out = []
-        for layer, stats in enumerate(self._stats):
-            lay = adapter.layout(layer)
+        for layer, (stats, (module, groups, expected)) in enumerate(zip(self._stats, sites, strict=True)):
             width = 0 if stats is None else stats["sum"].numel()
-            if width != lay.num_heads * lay.head_dim:
-                raise ValueError("activation: head counts changed since the batches were seen; call reset()")
+            if width != expected:
+                raise ValueError(
+                    f"activation: {_NOUN[self.unit]} counts changed since the batches were seen; call reset()"
+                )
             if stats is None:
                 out.append([])
                 continue
-            w_o = adapter.projections(layer).o.detach().to(stats["sum"].device, torch.float64)  # [D, H*d]
-            out.append(self._layer_scores(stats, w_o, lay.num_heads))
+            weight = linear_weight(module) if self.unit == "mlp" else adapter.projections(layer).o
+            w_o = weight.detach().to(stats["sum"].device, torch.float64)  # [D, width]
+            out.append(self._layer_scores(stats, w_o, groups))
         return out
+
+    def _sites(self, adapter) -> list[tuple[nn.Module, int, int]]:
+        """Per layer: the module whose input is read, its number of scored groups, and its input width."""
+        if self.unit == "mlp":
+            sizes = [adapter.intermediate_size(layer) for layer in range(adapter.num_layers)]
+            return [(adapter.mlp_out(layer), n, n) for layer, n in enumerate(sizes)]
+        layouts = [adapter.layout(layer) for layer in range(adapter.num_layers)]
+        return [
+            (adapter.out_proj(layer), lay.num_heads, lay.num_heads * lay.head_dim) for layer, lay in enumerate(layouts)
+        ]
 
     def report(self) -> dict:
         return {"metric": self.metric, "batches": self.batches, "tokens": self.tokens}
@@ -118,7 +142,9 @@ class ActivationCriterion(Criterion):
         if self._stats is None:
             self._stats = stats
         elif [0 if s is None else s["sum"].numel() for s in self._stats] != widths:
-            raise ValueError("activation: head counts changed between batches; call reset() after pruning")
+            raise ValueError(
+                f"activation: {_NOUN[self.unit]} counts changed between batches; call reset() after pruning"
+            )
         else:
             for acc, new in zip(self._stats, stats, strict=True):
                 if acc is not None:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from sinv_prune.arch import get_adapter
+from sinv_prune.arch.base import linear_weight
 from sinv_prune.criteria import register_criterion
 from sinv_prune.criteria.base import Criterion, Scores
 
@@ -19,11 +20,17 @@ class MagnitudeCriterion(Criterion):
     values. Under GQA the K and V slices are those of the KV head serving ``h`` (shared
     by its group). Computed in float32 (float64 for float64 models).
 
+    ``unit="mlp"``: channel ``j`` owns row ``j`` of every module feeding the channels
+    (``adapter.mlp_in``: gate and up for gated MLPs) and column ``j`` of the down projection;
+    its score is the ``p``-norm of those weights together (biases excluded).
+
     .. code-block:: yaml
 
         criterion: magnitude
         options: {p: 2}
     """
+
+    units = ("heads", "mlp")
 
     def __init__(self, p: float = 2):
         if p not in (1, 2):
@@ -32,6 +39,8 @@ class MagnitudeCriterion(Criterion):
 
     def scores(self, model: nn.Module) -> Scores:
         adapter = get_adapter(model)
+        if self.unit == "mlp":
+            return [_channel_scores(adapter, layer, self.p) for layer in range(adapter.num_layers)]
         out = []
         with torch.no_grad():
             for layer in range(adapter.num_layers):
@@ -52,4 +61,14 @@ def _layer_scores(w, heads: int, group: int, head_dim: int, p: float) -> list[fl
 
     kv = per_head(w.k, heads // group) + per_head(w.v, heads // group)
     total = per_head(w.q, heads) + per_head(w.o.t(), heads) + kv.repeat_interleave(group)
+    return [float(x) for x in total.pow(1 / p).double().cpu()]
+
+
+def _channel_scores(adapter, layer: int, p: float) -> list[float]:
+    """``||rows j of mlp_in, column j of mlp_out||_p`` per channel ``j``."""
+    down = linear_weight(adapter.mlp_out(layer)).detach()  # [D, I]
+    dtype = torch.float64 if down.dtype == torch.float64 else torch.float32
+    total = down.to(dtype).abs().pow(p).sum(0)
+    for module in adapter.mlp_in(layer):
+        total = total + linear_weight(module).detach().to(total.device, dtype).abs().pow(p).sum(1)
     return [float(x) for x in total.pow(1 / p).double().cpu()]

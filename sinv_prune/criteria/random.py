@@ -6,15 +6,15 @@ import torch
 from torch import nn
 
 from sinv_prune.criteria import register_criterion
-from sinv_prune.criteria.base import Criterion, Scores, head_counts, to_scores
+from sinv_prune.criteria.base import UNITS, Criterion, Scores, to_scores, unit_counts
 
 
 @register_criterion("random")
 class RandomCriterion(Criterion):
-    """Uniform random scores in [0, 1), reproducible from ``seed``.
+    """Uniform random scores in [0, 1), reproducible from ``seed``, for every unit.
 
-    The same seed and head counts give the same scores on every machine (a CPU
-    ``torch.Generator``, drawn layer by layer).
+    The same seed and unit counts give the same scores on every machine (a CPU
+    ``torch.Generator``, drawn layer by layer; for ``layers`` one draw per layer).
 
     .. code-block:: yaml
 
@@ -22,9 +22,14 @@ class RandomCriterion(Criterion):
         options: {seed: 0}
     """
 
+    units = UNITS
+
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
 
     def scores(self, model: nn.Module) -> Scores:
         generator = torch.Generator().manual_seed(self.seed)
-        return to_scores(torch.rand(n, generator=generator, dtype=torch.float64) for n in head_counts(model))
+        values = to_scores(
+            torch.rand(n, generator=generator, dtype=torch.float64) for n in unit_counts(model, self.unit)
+        )
+        return values[0] if self.unit == "layers" else values

@@ -9,8 +9,16 @@ import torch
 from torch import nn
 
 from sinv_prune.criteria import register_criterion
-from sinv_prune.criteria.base import Criterion, Scores, batch_to, model_device, preserve_modes, to_scores
-from sinv_prune.gates import head_gates
+from sinv_prune.criteria.base import (
+    Criterion,
+    Scores,
+    batch_to,
+    frozen_parameters,
+    model_device,
+    preserve_modes,
+    to_scores,
+)
+from sinv_prune.gates import channel_gates, head_gates
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
 
@@ -22,10 +30,13 @@ class TaylorCriterion(Criterion):
     As in the authors' code (``compute_heads_importance``): each batch's gate gradient
     (a sum over its tokens) is taken in absolute value and accumulated over batches,
     then each layer is divided by the L2 norm of its heads' importances
-    (``normalize=True``). Gates come from :func:`sinv_prune.gates.head_gates`; gradients
-    are taken with ``torch.autograd.grad`` on the gates only, so no ``.grad`` lands on
-    the model's parameters. The model runs in eval mode (``train_mode=True`` keeps
-    dropout on); every module's mode is restored after.
+    (``normalize=True``). Gates come from :func:`sinv_prune.gates.head_gates`
+    (``unit="mlp"``: :func:`~sinv_prune.gates.channel_gates`, one gate per MLP channel at
+    the down projection's input); gradients are taken with ``torch.autograd.grad`` on the
+    gates only, and every parameter has ``requires_grad`` off during the pass (flags restored
+    after), so no ``.grad`` lands on the model's parameters and autograd keeps no graph for
+    weight gradients. The model runs in eval mode (``train_mode=True`` keeps dropout on);
+    every module's mode is restored after.
 
     The loss is ``model(**batch).loss``. A batch without ``labels`` gets
     ``labels=input_ids`` (padding set to -100) when the model has an LM head (causal LMs shift them inside; a
@@ -39,6 +50,7 @@ class TaylorCriterion(Criterion):
     """
 
     needs_data = True
+    units = ("heads", "mlp")
 
     def __init__(self, normalize: bool = True, train_mode: bool = False, loss_fn: LossFn | None = None):
         self.normalize = bool(normalize)
@@ -52,7 +64,13 @@ class TaylorCriterion(Criterion):
 
     def update(self, model: nn.Module, batch: Mapping[str, Any]) -> None:
         batch = batch_to(batch, model_device(model))
-        with preserve_modes(model, train=self.train_mode), torch.enable_grad(), head_gates(model) as gates:
+        make_gates = channel_gates if self.unit == "mlp" else head_gates
+        with (
+            preserve_modes(model, train=self.train_mode),
+            frozen_parameters(model),
+            torch.enable_grad(),
+            make_gates(model) as gates,
+        ):
             loss = self._loss(model, batch)
             live = [g for g in gates if g.numel()]
             grads = iter(torch.autograd.grad(loss, live, allow_unused=True)) if live else iter(())
@@ -64,7 +82,8 @@ class TaylorCriterion(Criterion):
             self._importance = per_layer
         else:
             if [t.numel() for t in per_layer] != [t.numel() for t in self._importance]:
-                raise ValueError("taylor: head counts changed between batches; call reset() after pruning")
+                noun = "channel" if self.unit == "mlp" else "head"
+                raise ValueError(f"taylor: {noun} counts changed between batches; call reset() after pruning")
             self._importance = [a + b for a, b in zip(self._importance, per_layer, strict=True)]
         self.batches += 1
 
