@@ -249,3 +249,22 @@ def test_bench_recovery_quick(tmp_path, capsys, common):
         assert label in out
     assert "iterative rows skipped for uniform 33%" in out
     _png(tmp_path / "r.png")
+
+
+def test_bench_measures_baseline_and_device(capsys):
+    """bench_measures' kept previous implementation agrees with head_measures (the side-by-side
+    comparison is meaningful); an unavailable --device is a usage error (exit 2)."""
+    import torch
+    from conftest import tiny_model
+
+    from sinv_prune import head_measures
+
+    module = _script("bench_measures")
+    model = tiny_model("llama")
+    keys = ["C_Q", "C_V", "C_QK_gauge", "C_V_layer", "C_FF"]
+    assert module._max_diff(head_measures(model), module.baseline_head_measures(model, keys)) < 1e-5
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            module.main(["--device", "cuda", "--skip-overhead"])
+        assert exc.value.code == 2
+        assert "CUDA is not available" in capsys.readouterr().err
