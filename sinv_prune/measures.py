@@ -19,14 +19,14 @@ negative semi-definite. The measure is ``||M - P(M)||_F / ||M||_F`` with ``P`` t
 onto that cone.
 
 Nothing ``d_model x d_model`` is formed per head, and every head of a layer is computed
-at once (batched matrix products over the head dimension, GQA by indexing the KV head
-serving each query head). Per head, only ``d_head x d_head`` Gram blocks of the slices are
+at once (batched matrix products over the heads; under GQA, query heads grouped with the
+KV head serving them). Per head, only ``d_head x d_head`` Gram blocks of the slices are
 formed, in float64: ``C_V`` from ``||W||^2 = <W_O^T W_O, W_V W_V^T>`` and
 ``tr(W^2) = tr((W_V W_O)^2)``; ``C_QK_gauge`` from the blocks of ``G = [W_Q; W_K][W_Q; W_K]^T``
 (its norms the same way, the positive eigenvalues of ``sym(M)`` from the ``2 d_head x 2 d_head``
 matrix ``R J R^T`` with ``G = R^T R`` a Cholesky factor). float64 matters: in float32 the trace
 identity ``||W+W^T||^2 = 2||W||^2 + 2 tr(W^2)`` cancels catastrophically near the attractor
-(off by ~2e-4 near 0); in float64 by ~1e-8. The positive part uses ``eigvalsh`` on the CPU and,
+(off by ~2e-4 near 0); in float64 by ~1e-8 at worst. The positive part uses ``eigvalsh`` on the CPU and,
 on an accelerator (where batched eigensolvers of this size run one matrix at a time), a
 Newton-Schulz sign iteration made of batched matrix products. ``C_FF``'s ``W_down W_up``
 product is the one ``d_model x d_model`` matrix formed per layer; on CUDA, half-precision
