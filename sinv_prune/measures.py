@@ -194,7 +194,8 @@ def _c_qk_gauge_grams(qq: torch.Tensor, kk: torch.Tensor, qk: torch.Tensor) -> t
     eye = torch.eye(2 * d, dtype=gram.dtype, device=gram.device)
     r = torch.linalg.cholesky_ex(gram + shift[:, None, None] * eye).L.mT  # gram = r^T r
     r_q, r_k = r[..., :d], r[..., d:]
-    sym = (r_q @ r_k.mT + r_k @ r_q.mT) / 2
+    m = r_q @ r_k.mT
+    sym = (m + m.mT) / 2
     positive_sq = _positive_sq(sym) if n else norm_sq.new_zeros(0)
     out = _ratio(torch.sqrt(skew_sq + positive_sq), torch.sqrt(norm_sq))
     return torch.where(ok, out, torch.nan).float()
