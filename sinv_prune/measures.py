@@ -209,7 +209,10 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(torch.float64)
+    t = t.detach()
+    if t.device.type == "mps":  # no float64 on Apple GPUs: the Gram blocks go to the CPU
+        t = t.cpu()
+    return t.to(torch.float64)
 
 
 def _per_head_gram(rows: torch.Tensor) -> torch.Tensor:
