@@ -92,7 +92,7 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 
 def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b^T`` in float64 for ``[n, r, D]`` and ``[n, s, D]`` row blocks; ``[n, r, s]``."""
-    return a.to(torch.float64) @ b.to(torch.float64).mT
+    return _f64(a) @ _f64(b).mT
 
 
 def _inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
