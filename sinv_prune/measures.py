@@ -18,12 +18,19 @@ that keep the paper's meaning (recorded under ``"meta"`` in every result):
 negative semi-definite. The measure is ``||M - P(M)||_F / ||M||_F`` with ``P`` the projection
 onto that cone.
 
-Nothing ``d_model x d_model`` is formed per head: every per-head quantity is computed
-exactly in the (at most ``2 d_head``-dimensional) subspace that carries the head's
-matrices. This is also more accurate than trace identities such as
-``||W+W^T||^2 = 2||W||^2 + 2 tr(W^2)``, which cancel catastrophically near the attractor
-(in float32 they are off by ~2e-4 near 0, e.g. 0.0 or 2.6e-4 for a true 1e-4; the subspace form
-by ~1e-7).
+Nothing ``d_model x d_model`` is formed per head, and every head of a layer is computed
+at once (batched matrix products over the heads; under GQA, query heads grouped with the
+KV head serving them). Per head, only ``d_head x d_head`` Gram blocks of the slices are
+formed, in float64: ``C_V`` from ``||W||^2 = <W_O^T W_O, W_V W_V^T>`` and
+``tr(W^2) = tr((W_V W_O)^2)``; ``C_QK_gauge`` from the blocks of ``G = [W_Q; W_K][W_Q; W_K]^T``
+(its norms the same way, the positive eigenvalues of ``sym(M)`` from the ``2 d_head x 2 d_head``
+matrix ``R J R^T`` with ``G = R^T R`` a Cholesky factor). float64 matters: in float32 the trace
+identity ``||W+W^T||^2 = 2||W||^2 + 2 tr(W^2)`` cancels catastrophically near the attractor
+(off by ~2e-4 near 0); in float64 by ~1e-8 at worst. The positive part uses ``eigvalsh`` on the CPU and,
+on an accelerator (where batched eigensolvers of this size run one matrix at a time), a
+Newton-Schulz sign iteration made of batched matrix products. ``C_FF``'s ``W_down W_up``
+product is the one ``d_model x d_model`` matrix formed per layer; on CUDA, half-precision
+weights multiply in their own dtype with float32 accumulation and output (exact inputs).
 
 Non-finite weights give NaN (``json.dumps`` writes it as ``NaN``) for the heads or layers they touch.
 
@@ -83,20 +90,25 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(zero, torch.zeros_like(num), num / torch.where(zero, torch.ones_like(den), den)).clamp(0, 1)
 
 
-def _finite(*blocks: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Per-head mask of finite inputs, and the blocks with non-finite heads zeroed (LAPACK rejects NaN)."""
-    ok = torch.stack([torch.isfinite(b).flatten(1).all(1) for b in blocks]).all(0)
-    return ok, [torch.where(ok[:, None, None], b, torch.zeros_like(b)) for b in blocks]
+def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b^T`` in float64 for ``[n, r, D]`` and ``[n, s, D]`` row blocks; ``[n, r, s]``."""
+    return _f64(a) @ _f64(b).mT
 
 
-def _coordinates(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``U^T a`` and ``U^T b`` for ``[n, D, r]`` blocks, ``U`` an orthonormal basis of their joint span.
+def _inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``tr(a^T b)`` over the last two dimensions."""
+    return (a * b).sum((-2, -1))
 
-    From the triangular factor of ``[a, b] = U R`` (Householder QR, ``U`` never formed), so
-    ``[k, r]`` with ``k = min(D, 2r)``; orthogonal, hence exact up to rounding of order ``eps ||a|| ||b||``.
-    """
-    r = torch.linalg.qr(torch.cat([a, b], dim=-1), mode="r").R
-    return r[..., : a.shape[-1]], r[..., a.shape[-1] :]
+
+def _finite_heads(*grams: torch.Tensor) -> torch.Tensor:
+    """Per-head mask: all Gram entries finite (a non-finite weight makes its Gram entries inf/NaN)."""
+    return torch.stack([torch.isfinite(g).flatten(1).all(1) for g in grams]).all(0)
+
+
+def _c_from_grams(norm_sq: torch.Tensor, trace_sq: torch.Tensor) -> torch.Tensor:
+    """``C(W)`` from ``||W||^2`` and ``tr(W^2)``: ``sqrt(2||W||^2 + 2 tr(W^2)) / (2||W||)``."""
+    num = torch.sqrt((2 * norm_sq + 2 * trace_sq).clamp(min=0))
+    return _ratio(num, 2 * torch.sqrt(norm_sq.clamp(min=0)))
 
 
 def c_q(wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
@@ -111,32 +123,82 @@ def c_square(w: torch.Tensor) -> torch.Tensor:
 
 
 def c_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """``C(left @ right)`` for ``[n, D, r] @ [n, r, D]`` without forming ``D x D``.
+    """``C(left @ right)`` for ``[n, D, r] @ [n, r, D]`` without forming ``D x D``; ``[n]``.
 
-    Both the column space (in ``col(left)``) and the row space (in ``col(right^T)``) of
-    ``W = left @ right`` lie in ``S = col([left, right^T])``; with ``U`` an orthonormal basis
-    of ``S``, ``w = (U^T left)(U^T right^T)^T`` (at most ``2r x 2r``) has the same Frobenius
-    norm as ``W`` and ``w + w^T`` as ``W + W^T``.
+    ``||W||^2 = <left^T left, right right^T>`` and ``tr(W^2) = tr((right left)^2)``, all
+    ``r x r`` and in float64.
     """
-    ok, (left, right) = _finite(left, right)
-    left_u, right_u = _coordinates(left, right.mT)
-    return torch.where(ok, c_square(left_u @ right_u.mT), torch.nan)
+    return _c_product_grams(_gram(left.mT, left.mT), _gram(right, right), _gram(right, left.mT))
+
+
+def _c_product_grams(ll: torch.Tensor, rr: torch.Tensor, rl: torch.Tensor) -> torch.Tensor:
+    """``C(left @ right)`` from ``left^T left``, ``right right^T`` and ``right left`` (float64)."""
+    ok = _finite_heads(ll, rr, rl)
+    ll, rr, rl = (torch.where(ok[:, None, None], g, 0) for g in (ll, rr, rl))
+    out = _c_from_grams(_inner(ll, rr), _inner(rl, rl.mT))
+    return torch.where(ok, out, torch.nan).float()
+
+
+def _positive_sq_eigvalsh(sym: torch.Tensor) -> torch.Tensor:
+    """``sum(relu(eig(sym))^2)`` per matrix, by a batched symmetric eigensolver."""
+    return (torch.linalg.eigvalsh(sym).clamp(min=0) ** 2).sum(-1)
+
+
+NEWTON_SCHULZ_STEPS = 60
+
+
+def _positive_sq_newton_schulz(sym: torch.Tensor, steps: int = NEWTON_SCHULZ_STEPS) -> torch.Tensor:
+    """``sum(relu(eig(sym))^2)`` per matrix from ``P_+ = (T + T sign(T)) / 2``, matrix products only.
+
+    ``sign(T)`` by ``X <- X (3I - X^2) / 2`` from ``X = T / ||T||_F``: an eigenvalue ``x`` grows by
+    1.5x per step until it converges, so after ``steps`` only eigenvalues below
+    ``1.5^-(steps - 8) ||T||_F`` (~7e-10 for 60 steps) are unresolved; each adds at most its own
+    square, which is negligible. Batched products beat the one-matrix-at-a-time eigensolvers
+    accelerators run for matrices above 32 x 32.
+    """
+    scale = torch.linalg.matrix_norm(sym)
+    x = sym / torch.where(scale == 0, 1, scale)[:, None, None]
+    for _ in range(steps):
+        x = 1.5 * x - 0.5 * (x @ (x @ x))
+    positive = (sym + sym @ x) / 2
+    return torch.linalg.matrix_norm((positive + positive.mT) / 2) ** 2
+
+
+def _positive_sq(sym: torch.Tensor) -> torch.Tensor:
+    return _positive_sq_eigvalsh(sym) if sym.device.type == "cpu" else _positive_sq_newton_schulz(sym)
 
 
 def c_qk_gauge(wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
     """Gauge-invariant ``C_Q`` per head from ``[n, d, D]`` slices; ``[n]``.
 
-    ``M = W_Q^T W_K`` is represented exactly by ``m = U^T M U = (U^T W_Q^T)(U^T W_K^T)^T`` with
-    ``U`` an orthonormal basis of the row spaces of ``W_Q`` and ``W_K`` (at most ``2d x 2d``);
-    ``||M - P(M)||^2 = ||skew(m)||^2 + sum(relu(eig(sym(m)))^2)``.
+    With ``M = W_Q^T W_K``: ``||M||^2 = <W_Q W_Q^T, W_K W_K^T>``, ``tr(M^2) = tr((W_K W_Q^T)^2)``,
+    ``||skew(M)||^2 = (||M||^2 - tr(M^2)) / 2``; ``sym(M) = X^T J X`` with ``X = [W_Q; W_K]`` and
+    ``J = [[0, I], [I, 0]] / 2`` has the nonzero eigenvalues of ``R J R^T`` for any ``G = XX^T = R^T R``
+    (``2d x 2d``). ``||M - P(M)||^2 = ||skew(M)||^2 + sum(relu(eig(sym(M)))^2)``.
     """
-    ok, (wq, wk) = _finite(wq, wk)
-    q_u, k_u = _coordinates(wq.mT, wk.mT)
-    m = q_u @ k_u.mT
-    sym, skew = (m + m.mT) / 2, (m - m.mT) / 2
-    positive = torch.linalg.eigvalsh(sym).clamp(min=0)
-    dist = torch.sqrt(torch.linalg.matrix_norm(skew) ** 2 + (positive**2).sum(-1))
-    return torch.where(ok, _ratio(dist, torch.linalg.matrix_norm(m)), torch.nan)
+    return _c_qk_gauge_grams(_gram(wq, wq), _gram(wk, wk), _gram(wq, wk))
+
+
+def _c_qk_gauge_grams(qq: torch.Tensor, kk: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+    """``C_QK_gauge`` from the float64 Gram blocks ``W_Q W_Q^T``, ``W_K W_K^T``, ``W_Q W_K^T``."""
+    ok = _finite_heads(qq, kk, qk)
+    qq, kk, qk = (torch.where(ok[:, None, None], g, 0) for g in (qq, kk, qk))
+    n, d = qq.shape[0], qq.shape[-1]
+    norm_sq = _inner(qq, kk).clamp(min=0)
+    skew_sq = ((norm_sq - _inner(qk, qk.mT)) / 2).clamp(min=0)
+    gram = torch.cat([torch.cat([qq, qk], -1), torch.cat([qk.mT, kk], -1)], -2)
+    # A shift of ~1e-13 of the Gram's scale keeps the Cholesky factor defined for rank-deficient
+    # heads; it moves the eigenvalues of R J R^T by about the same, far below float32 resolution.
+    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1)
+    shift = 1e-13 * scale + torch.finfo(torch.float64).tiny
+    eye = torch.eye(2 * d, dtype=gram.dtype, device=gram.device)
+    r = torch.linalg.cholesky_ex(gram + shift[:, None, None] * eye).L.mT  # gram = r^T r
+    r_q, r_k = r[..., :d], r[..., d:]
+    m = r_q @ r_k.mT
+    sym = (m + m.mT) / 2
+    positive_sq = _positive_sq(sym) if n else norm_sq.new_zeros(0)
+    out = _ratio(torch.sqrt(skew_sq + positive_sq), torch.sqrt(norm_sq))
+    return torch.where(ok, out, torch.nan).float()
 
 
 # -- per layer ----------------------------------------------------------------------------
@@ -146,13 +208,37 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32)
 
 
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type == "mps":  # no float64 on Apple GPUs: the Gram blocks go to the CPU
+        t = t.cpu()
+    return t.to(torch.float64)
+
+
+def _per_head_gram(rows: torch.Tensor) -> torch.Tensor:
+    """``rows @ rows^T`` per head for ``[n, d, D]`` (float64 in, float64 out)."""
+    return rows @ rows.mT
+
+
+def _matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in float32. Half-precision CUDA weights multiply in their own dtype with float32
+    accumulation and output: their products are exact in float32, and tensor cores run ~10x faster."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # a torch build without mm(out_dtype=): same result, slower
+            pass
+    return _f32(a) @ _f32(b)
+
+
 def _mlp_measure(weights: Sequence[torch.Tensor]) -> float | None:
     """``C`` of the product of the MLP's linear path (``[out, in]`` weights, input side first)."""
     if not weights:
         return None
-    w = _f32(weights[0])
+    w = weights[0].detach()
     for nxt in weights[1:]:
-        w = _f32(nxt).to(w.device) @ w
+        w = _matmul_f32(nxt.detach().to(w.device), w)
+    w = _f32(w)
     if w.shape[0] != w.shape[1]:
         return None
     return float(c_square(w))
@@ -174,18 +260,23 @@ def layer_measures(adapter, layer: int, keys: Iterable[str] = ALL_KEYS) -> dict:
 
     proj = adapter.projections(layer)
     dim = proj.q.shape[1]
-    serving = torch.arange(heads, device=proj.q.device) // group  # KV head serving each query head
-    wq = _f32(proj.q).reshape(heads, d, dim)
-    if "C_Q" in keys or "C_QK_gauge" in keys:
-        wk = _f32(proj.k).reshape(kv, d, dim).index_select(0, serving)
-        if "C_Q" in keys:
-            out["C_Q"] = c_q(wq, wk).tolist()
-        if "C_QK_gauge" in keys:
-            out["C_QK_gauge"] = c_qk_gauge(wq, wk).tolist()
+    # Query heads grouped by the KV head serving them: [KV, group, d, D]; KV slices [KV, d, D].
+    if "C_Q" in keys:
+        wq, wk = _f32(proj.q).reshape(kv, group, d, dim), _f32(proj.k).reshape(kv, 1, d, dim)
+        out["C_Q"] = c_q(wq, wk).flatten().tolist()
+    if "C_QK_gauge" in keys:
+        wq, wk = _f64(proj.q).reshape(kv, group * d, dim), _f64(proj.k).reshape(kv, d, dim)
+        qq = _per_head_gram(wq.reshape(heads, d, dim))
+        kk = _per_head_gram(wk).repeat_interleave(group, 0)
+        qk = (wq @ wk.mT).reshape(heads, d, d)  # [KV, group*d, d] -> W_Q^h W_K^(h's KV)^T
+        out["C_QK_gauge"] = _c_qk_gauge_grams(qq, kk, qk).tolist()
     if "C_V" in keys:
-        wv = _f32(proj.v).reshape(kv, d, dim).index_select(0, serving)  # [H, d, D]
-        wo = _f32(proj.o).reshape(dim, heads, d).permute(1, 0, 2)  # [H, D, d]
-        out["C_V"] = c_product(wo, wv).tolist()
+        wv = _f64(proj.v).reshape(kv, d, dim)
+        wo_t = _f64(proj.o).T.reshape(kv, group * d, dim)  # rows of W_O^T, i.e. W_O^h^T per head
+        oo = _per_head_gram(wo_t.reshape(heads, d, dim))
+        vv = _per_head_gram(wv).repeat_interleave(group, 0)
+        vo = (wv @ wo_t.mT).reshape(kv, d, group, d).transpose(1, 2).reshape(heads, d, d)  # W_V W_O^h
+        out["C_V"] = _c_product_grams(oo, vv, vo).tolist()
     if "C_V_layer" in keys:
         v = proj.v
         out["C_V_layer"] = float(c_square(_f32(v))) if v.shape[0] == v.shape[1] else None

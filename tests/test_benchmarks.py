@@ -393,3 +393,22 @@ def test_bench_scale_reports_a_failing_figure(tmp_path, capsys, monkeypatch):
     assert [r["time"] for r in rows if r["cut"] == "depth 25%"] == ["n/a (fewer than 4 layers)"] * 3
     assert all(r["measured"] for r in rows if r["figure"] == "prefill" and r["cut"].startswith("heads"))
     assert "| criterion: activation" in capsys.readouterr().out
+
+
+def test_bench_measures_baseline_and_device(capsys):
+    """bench_measures' kept previous implementation agrees with head_measures (the side-by-side
+    comparison is meaningful); an unavailable --device is a usage error (exit 2)."""
+    import torch
+    from conftest import tiny_model
+
+    from sinv_prune import head_measures
+
+    module = _script("bench_measures")
+    model = tiny_model("llama")
+    keys = ["C_Q", "C_V", "C_QK_gauge", "C_V_layer", "C_FF"]
+    assert module._max_diff(head_measures(model), module.baseline_head_measures(model, keys)) < 1e-5
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            module.main(["--device", "cuda", "--skip-overhead"])
+        assert exc.value.code == 2
+        assert "CUDA is not available" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from conftest import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sinv_prune import get_adapter, head_measures, prune_heads
+from sinv_prune import get_adapter, head_measures, measures, prune_heads
 from sinv_prune.measures import ALL_KEYS, c_product, c_qk_gauge, measure_summary
 
 ATOL = 2e-5
@@ -261,3 +261,62 @@ def test_non_finite_weights_give_nan():
     assert math.isnan(got["C_Q"][0][0]) and math.isnan(got["C_QK_gauge"][0][0])
     assert math.isnan(got["C_V"][1][0]) and math.isnan(got["C_V_layer"][1])
     assert not any(math.isnan(v) for v in got["C_Q"][0][1:] + got["C_V"][1][1:] + got["C_V"][0])
+
+
+# -- batched kernels: accuracy, accelerator path, half precision -------------------------
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "gpt2"])
+def test_bf16_gqa_matches_naive(arch_name):
+    """bf16 weights (GQA groups of 3 and 2 for llama / qwen2): float32 results equal the float64
+    formulas on the same bf16 values."""
+    model = tiny_model(arch_name, seed=4).to(torch.bfloat16)
+    assert_close(head_measures(model), naive_measures(model))
+
+
+def test_near_attractor_accuracy():
+    """Values of order 1e-6..1e-4 come out to 1e-7 (a float32 trace identity would be off by ~2e-4)."""
+    model = tiny_model("llama", seed=5)
+    adapter = get_adapter(model)
+    lay = adapter.layout(0)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        p = adapter.projections(0)
+        for kv in range(lay.num_kv_heads):
+            q_rows, kv_rows = group_rows(lay, kv)
+            skew = torch.randn(lay.head_dim, lay.head_dim, generator=g)
+            skew = skew - skew.T + 1e-6 * torch.randn(lay.head_dim, lay.head_dim, generator=g)
+            for rows in q_rows:
+                p.q[rows] = -p.k[kv_rows] + 1e-6 * torch.randn(p.k[kv_rows].shape, generator=g)
+                p.o[:, rows] = p.v[kv_rows].T @ skew
+    got, want = head_measures(model), naive_measures(model)
+    assert 1e-7 < max(want["C_QK_gauge"][0]) < 1e-3 and 1e-7 < max(want["C_V"][0]) < 1e-3
+    assert_close(got, want, atol=1e-7, keys=["C_Q", "C_V", "C_QK_gauge"])
+
+
+def test_newton_schulz_positive_part_matches_eigvalsh():
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(6, 24, 24, generator=g, dtype=torch.float64)
+    sym = a + a.mT
+    sym[0] = 0
+    sym[1] = -(a[1] @ a[1].mT)  # negative semi-definite: 0
+    sym[2] = 1e-3 * a[2] @ a[2].mT  # positive semi-definite
+    sym[3, :12, :12] = 0  # rank-deficient
+    got = measures._positive_sq_newton_schulz(sym)
+    want = measures._positive_sq_eigvalsh(sym)
+    assert got[0] == 0
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12 * float(sym.square().sum()))
+
+
+def test_accelerator_path_on_cpu(monkeypatch, arch):
+    """The Newton-Schulz positive part (used off the CPU) gives the same measures."""
+    model = tiny_model(arch, seed=7)
+    monkeypatch.setattr(measures, "_positive_sq", measures._positive_sq_newton_schulz)
+    assert_close(head_measures(model), naive_measures(model))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_matches_naive():
+    model = tiny_model("llama", seed=8).to(torch.bfloat16)
+    want = naive_measures(model)
+    assert_close(head_measures(model.cuda()), want)
