@@ -16,12 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_pipeline import TINY, invoke, recipe_file
 
 from sinv_prune import data as data_mod
 from sinv_prune import pipeline
 from sinv_prune.preflight import build_model
 from sinv_prune.recipe import validate_recipe
-from test_pipeline import TINY, invoke, recipe_file
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,8 @@ def saved_base(path: Path) -> Path:
 
 
 def torchrun(*args, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "sinv_prune.cli", *map(str, args)]  # fmt: skip
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
