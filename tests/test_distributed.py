@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,29 @@ def test_one_process_writes_the_run_directory(runs):
     assert len(messages) == len(set(messages)), "a line was logged twice"
     assert sum("run tiny in" in m and "processes=2" in m for m in messages) == 1
     assert launched.stdout.count("report: ") == 1  # the summary, printed once
+
+
+def test_resume_under_torchrun_finishes_an_interrupted_finetune(runs):
+    """As if the launch had stopped while fine-tuning the second arm: --resume redoes that arm only."""
+    tmp, _ = runs
+    out = tmp / "resumed"
+    shutil.copytree(tmp / "two", out)
+    state = json.loads((out / "state.json").read_text())
+    state["finished"] = ["train", "score", "prune"]
+    for key in ("finetuned", "finetuned_dir", "finetune"):
+        del state["arms"]["taylor-2-global"][key]
+    (out / "state.json").write_text(json.dumps(state))
+    shutil.rmtree(out / "arms" / "taylor-2-global" / "finetuned")
+    (out / "results.json").unlink()
+    kept = (out / "arms" / "magnitude-2-global" / "finetuned" / "model.safetensors").stat().st_mtime_ns
+
+    launched = torchrun(tmp / "tiny.yaml", "--output", out, "--resume", "--threads", 1, "--quiet", cwd=tmp)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    state = json.loads((out / "state.json").read_text())
+    assert state["finished"] == ["train", "score", "prune", "finetune", "evaluate", "report"]
+    assert state["arms"]["taylor-2-global"]["finetune"]["steps"] == 2
+    assert (out / "arms" / "magnitude-2-global" / "finetuned" / "model.safetensors").stat().st_mtime_ns == kept
+    results = json.loads((out / "results.json").read_text())
+    assert all(arm["finetuned"]["perplexity"] > 1 for arm in results["arms"])
+    messages = [line.split(" ", 2)[2] for line in (out / "run.log").read_text().splitlines()]
+    assert sum("resume=True, processes=2" in m for m in messages) == 1
