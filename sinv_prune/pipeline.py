@@ -150,7 +150,7 @@ def _main_logs_only(run: Run):
 def prepare_data(run: Run) -> None:
     """Load the corpus and the tokenizer (trained on the train split when asked); token streams per split.
 
-    Under a launcher the main process does it and writes the token streams to ``tokens.pt``;
+    Under a launcher the main process does it and writes the token streams to ``tokens/ids.pt``;
     the others wait, then read the tokenizer and the streams from the run directory.
     """
     tokens = run.root / "tokens"
@@ -370,9 +370,8 @@ def fresh_base(run: Run):
     return from_pretrained(run.root / "base").to(run.device).eval()
 
 
-def release(*models) -> None:
+def release() -> None:
     """Free models the caller has dropped: collect reference cycles now, and the device's cached blocks."""
-    del models
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
