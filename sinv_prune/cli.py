@@ -24,7 +24,10 @@ class UsageError(click.ClickException):
     exit_code = 2
 
     def show(self, file=None) -> None:
-        click.echo(f"error: {self.message}", err=True)
+        from sinv_prune.ranks import main_by_env
+
+        if main_by_env():  # under a launcher every process stops with the error; one says it
+            click.echo(f"error: {self.message}", err=True)
 
 
 def parse_heads(text: str) -> dict[int, list[int]]:

@@ -94,6 +94,15 @@ def test_one_process_writes_the_run_directory(runs):
     assert launched.stdout.count("report: ") == 1  # the summary, printed once
 
 
+def test_an_error_on_the_main_process_stops_every_process_with_one_message(runs):
+    tmp, _ = runs
+    before = (tmp / "two" / "results.json").read_text()
+    launched = torchrun(tmp / "tiny.yaml", "--output", tmp / "two", "--threads", 1, cwd=tmp)  # exists: no --overwrite
+    errors = [line for line in launched.stderr.splitlines() if line.startswith("error: ")]
+    assert launched.returncode != 0 and len(errors) == 1 and "--overwrite" in errors[0], launched.stderr[-3000:]
+    assert (tmp / "two" / "results.json").read_text() == before
+
+
 def test_resume_under_torchrun_finishes_an_interrupted_finetune(runs):
     """As if the launch had stopped while fine-tuning the second arm: --resume redoes that arm only."""
     tmp, _ = runs
