@@ -28,7 +28,7 @@ def main_by_env() -> bool:
 
 
 class Ranks:
-    """This process's place in the launch: ``is_main``, ``wait()`` (a barrier) and ``on_main(fn)``."""
+    """This process's place in the launch: ``world_size``, ``is_main`` and ``on_main(fn)`` (a barrier)."""
 
     def __init__(self, device: str = "cpu"):
         self._state = None
@@ -45,13 +45,6 @@ class Ranks:
     @property
     def is_main(self) -> bool:
         return self._state is None or self._state.is_main_process
-
-    def wait(self) -> None:
-        """Every process waits here until all have arrived."""
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
 
     def on_main(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the main process only; every process returns its result or raises its error.
