@@ -24,7 +24,10 @@ class UsageError(click.ClickException):
     exit_code = 2
 
     def show(self, file=None) -> None:
-        click.echo(f"error: {self.message}", err=True)
+        from sinv_prune.ranks import main_by_env
+
+        if main_by_env():  # under a launcher every process stops with the error; one says it
+            click.echo(f"error: {self.message}", err=True)
 
 
 def parse_heads(text: str) -> dict[int, list[int]]:
@@ -177,11 +180,13 @@ def _run(recipe, output: Path, **kwargs) -> None:
     import logging
 
     from sinv_prune.pipeline import RunStageError, run_recipe
+    from sinv_prune.ranks import main_by_env
     from sinv_prune.recipe import RecipeError
     from sinv_prune.rundir import RunDirError
 
-    fresh = not output.exists()
-    if kwargs["quiet"]:
+    main = main_by_env()  # under torchrun / accelerate launch only the main process prints and cleans up
+    fresh = main and not output.exists()
+    if kwargs["quiet"] or not main:
         import transformers
 
         transformers.utils.logging.set_verbosity_error()
@@ -196,7 +201,8 @@ def _run(recipe, output: Path, **kwargs) -> None:
         if fresh:
             shutil.rmtree(output, ignore_errors=True)
         raise UsageError(str(err)) from None
-    _print_summary(results, output)
+    if main:
+        _print_summary(results, output)
 
 
 def _print_summary(results: dict, output: Path) -> None:

@@ -373,6 +373,43 @@ def _timed(model: nn.Module, inputs: dict, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+class _Placed:
+    """With ``offload``: the model is on ``device`` inside the block and on the CPU after; else a no-op."""
+
+    def __init__(self, model: nn.Module, device: torch.device, offload: bool):
+        self.model, self.device, self.offload = model, device, offload
+
+    def __enter__(self):
+        if self.offload:
+            self.model.to(self.device)
+
+    def __exit__(self, *exc):
+        if self.offload:
+            self.model.to("cpu")
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def fits_together(models: Iterable[nn.Module], device, *, headroom: float = 0.25) -> bool:
+    """Whether ``models`` fit on ``device`` at once, with ``headroom`` of their size to spare (activations).
+
+    CUDA: against the free memory plus what of them is on the device already; other devices: True
+    (the CPU holds them all anyway).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    models = list(models)
+    need = sum(model_bytes(m) for m in models) * (1 + headroom)
+    there = sum(model_bytes(m) for m in models if _input_device(m, None).type == "cuda")
+    free, _ = torch.cuda.mem_get_info(device)
+    return need <= free + there
+
+
 def _summary(times: list[float], batch_size: int, seq_len: int, device: torch.device, repeats, warmup) -> dict:
     ms = [t * 1000 for t in times]
     median = statistics.median(ms)
@@ -434,6 +471,7 @@ def compare_speed(
     vocab_size: int | None = None,
     seed: int = 0,
     control: bool = False,
+    offload: bool = False,
 ) -> dict:
     """Latency of two models measured interleaved in one process, on the same inputs.
 
@@ -448,10 +486,16 @@ def compare_speed(
     (the three forwards rotate: ABA', BA'A, A'AB), and ``"control"`` holds ``t_a / t_a'`` as
     ``{"speedup", "speedup_iqr", "speedup_range"}``; ``"resolved"`` says whether the speed-up is
     outside that noise (:func:`speedup_resolved`).
+
+    ``offload=True`` is for two models that do not fit on ``device`` together: both wait on the
+    CPU, and each goes to ``device`` for its turn (with ``min(warmup, 1)`` untimed forwards on
+    arrival, so the move is not timed) and back after it; at the end each model returns to the
+    device it came from. The order, the control and the statistics are the same.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     device = _input_device(model_a, device)
+    homes = [_input_device(m, None) for m in (model_a, model_b)]
     vocab = vocab_size or min(_vocab_size(model_a), _vocab_size(model_b))
     inputs_a = _speed_inputs(model_a, batch_size, seq_len, vocab, seed, device)
     inputs_b = _speed_inputs(model_b, batch_size, seq_len, vocab, seed, device)
@@ -460,14 +504,25 @@ def compare_speed(
         runs["a2"] = runs["a"]
     order = list(runs)
     times: dict[str, list[float]] = {name: [] for name in order}
-    with _EvalMode(model_a, model_b), torch.inference_mode():
-        for _ in range(warmup):
-            for name in order:
-                _timed(*runs[name], device)
-        for i in range(repeats):
-            shift = i % len(order)
-            for name in order[shift:] + order[:shift]:
-                times[name].append(_timed(*runs[name], device))
+    rewarm = min(warmup, 1) if offload else 0
+    if offload:
+        model_a.to("cpu"), model_b.to("cpu")
+    try:
+        with _EvalMode(model_a, model_b), torch.inference_mode():
+            for _ in range(warmup):
+                for name in order:
+                    with _Placed(runs[name][0], device, offload):
+                        _timed(*runs[name], device)
+            for i in range(repeats):
+                shift = i % len(order)
+                for name in order[shift:] + order[:shift]:
+                    with _Placed(runs[name][0], device, offload):
+                        for _ in range(rewarm):
+                            _timed(*runs[name], device)
+                        times[name].append(_timed(*runs[name], device))
+    finally:
+        if offload:
+            model_a.to(homes[0]), model_b.to(homes[1])
     ratio = statistics.median(b / a for a, b in zip(times["a"], times["b"], strict=True))
     out = {
         "a": _summary(times["a"], batch_size, seq_len, device, repeats, warmup),

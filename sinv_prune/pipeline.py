@@ -4,12 +4,18 @@
 Each stage writes its outputs atomically and is recorded in ``state.json`` when it
 finishes, so ``resume=True`` picks up after the last finished stage (and from the last
 Trainer checkpoint inside a training stage).
+
+Under ``torchrun`` / ``accelerate launch`` (see :mod:`sinv_prune.ranks`) the main process alone
+prepares the data, scores, prunes, evaluates, reports and pushes; every process joins the train and
+fine-tune stages through the Trainer, loading the model it trains from the run directory. Only the
+main process writes to the run directory and logs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,10 +28,18 @@ from tqdm.auto import tqdm
 from sinv_prune import data as data_mod
 from sinv_prune.checkpoint import from_pretrained
 from sinv_prune.criteria import get_criterion
-from sinv_prune.evaluation import compare_speed, mlm_loss, parameter_breakdown, perplexity, speedup_fields
+from sinv_prune.evaluation import (
+    compare_speed,
+    fits_together,
+    mlm_loss,
+    parameter_breakdown,
+    perplexity,
+    speedup_fields,
+)
 from sinv_prune.model_settings import input_device, load_kwargs, merge_lora, to_device, unloadable_reason, wrap_lora
 from sinv_prune.preflight import build_model, is_masked_lm, preflight
 from sinv_prune.pruner import HeadPruner
+from sinv_prune.ranks import Ranks
 from sinv_prune.recipe import ArmSpec, Recipe, recipe_to_yaml
 from sinv_prune.report import write_report
 from sinv_prune.rundir import RunDir, write_dir, write_json, write_text
@@ -48,7 +62,8 @@ class Run:
     keep_checkpoints: bool = False
     tokenizer: Any = None
     ids: dict[str, torch.Tensor] = field(default_factory=dict)
-    base: Any = None
+    base: Any = None  # the starting model, on the main process only
+    ranks: Ranks = field(default_factory=Ranks)
 
     @property
     def root(self) -> Path:
@@ -80,26 +95,53 @@ def run_recipe(
     preflight(recipe)
     threads = parse_threads(threads)
     device = device or recipe.device or input_device(recipe) or ("cuda" if torch.cuda.is_available() else "cpu")
-    run_dir = RunDir.open(Path(output), overwrite=overwrite, resume=resume)
-    run = Run(recipe, run_dir, device, quiet, keep_checkpoints=keep_checkpoints)
-    handler = _log_to_file(run.root / "run.log")
+    ranks = Ranks(device)
+    run_dir = ranks.on_main(lambda: RunDir.open(Path(output), overwrite=overwrite, resume=resume))
+    run = Run(recipe, run_dir, device, quiet or not ranks.is_main, keep_checkpoints=keep_checkpoints, ranks=ranks)
     stack = contextlib.ExitStack()
+    stack.enter_context(_main_logs_only(run))
     try:
         stack.enter_context(recipe_threads(recipe, threads))
-        write_text(run.root / "recipe.yaml", recipe_to_yaml(recipe))
-        logger.info("run %s in %s on %s (resume=%s)", recipe.name, run.root, device, resume)
+        _on_main(run, lambda: write_text(run.root / "recipe.yaml", recipe_to_yaml(recipe)))
+        logger.info("run %s in %s on %s (resume=%s, processes=%d)", recipe.name, run.root, device, resume,
+                    ranks.world_size)  # fmt: skip
         prepare_data(run)
         stage_train(run)
-        stage_score(run)
-        stage_prune(run)
+        _on_main(run, lambda: stage_score(run))
+        _on_main(run, lambda: stage_prune(run))
         stage_finetune(run)
-        results = stage_evaluate(run)
-        stage_report(run, results)
-        stage_push(run, results)
+        results = _on_main(run, lambda: stage_evaluate(run))
+        _on_main(run, lambda: stage_report(run, results))
+        _on_main(run, lambda: stage_push(run, results))
         return results
     finally:
         stack.close()
-        logging.getLogger("sinv_prune").removeHandler(handler)
+
+
+def _on_main(run: Run, fn):
+    """``fn()`` on the main process; the others wait, then take its result and the run's state."""
+    value, state = run.ranks.on_main(lambda: (fn(), run.dir.state))
+    run.dir.state = state
+    return value
+
+
+@contextlib.contextmanager
+def _main_logs_only(run: Run):
+    """The run log (``run.log``) on the main process; the other processes log warnings only."""
+    log = logging.getLogger("sinv_prune")
+    if not run.ranks.is_main:
+        level = log.level
+        log.setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            log.setLevel(level)
+        return
+    handler = _log_to_file(run.root / "run.log")
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
         handler.close()
 
 
@@ -107,7 +149,25 @@ def run_recipe(
 
 
 def prepare_data(run: Run) -> None:
-    """Load the corpus and the tokenizer (trained on the train split when asked); token streams per split."""
+    """Load the corpus and the tokenizer (trained on the train split when asked); token streams per split.
+
+    Under a launcher the main process does it and writes the token streams to ``tokens/ids.pt``;
+    the others wait, then read the tokenizer and the streams from the run directory.
+    """
+    tokens = run.root / "tokens"
+
+    def main() -> None:
+        _prepare_data(run)
+        if run.ranks.world_size > 1:
+            write_dir(tokens, lambda d: torch.save(run.ids, d / "ids.pt"))
+
+    _on_main(run, main)
+    if not run.ranks.is_main:
+        run.tokenizer = data_mod.load_model_tokenizer(str(run.root / "tokenizer"))
+        run.ids = torch.load(tokens / "ids.pt")
+
+
+def _prepare_data(run: Run) -> None:
     spec = run.recipe.data
     corpus = load_corpus(run.recipe)
     tok_dir = run.root / "tokenizer"
@@ -153,11 +213,18 @@ def _score_split(run: Run) -> str:
 
 
 def stage_train(run: Run) -> None:
-    """Build or load the starting model; train it if the recipe says so; save it as ``base/``."""
+    """Build or load the starting model; train it if the recipe says so; save it as ``base/``.
+
+    Every process trains (the Trainer shards the data); the main process saves and keeps the model.
+    """
     base_dir = run.root / "base"
     if run.dir.done("train"):
-        _drop_checkpoints(run, run.root / "checkpoints" / "train")  # in case a run stopped right after the stage
-        run.base = to_device(load_saved(run, base_dir), run.device)
+        if run.ranks.is_main:
+            _drop_checkpoints(run, run.root / "checkpoints" / "train")  # in case a run stopped right after the stage
+            run.base = to_device(load_saved(run, base_dir), run.device)
+        return
+    if run.recipe.train is None and not run.ranks.is_main:
+        _on_main(run, lambda: None)  # the main process builds and saves the base model
         return
     model = build_model(run.recipe, vocab_size=len(run.tokenizer), tokenizer=run.tokenizer)
     if run.recipe.model.device_map is not None and (reason := unloadable_reason(model)):
@@ -197,10 +264,14 @@ def stage_train(run: Run) -> None:
             resume=True,
         )
         run.dir.state["train"] = {"steps": out.global_step, "train_loss": out.training_loss}
-    _save_model(model, run.tokenizer, base_dir)
-    run.base = to_device(model, run.device).eval()
-    run.dir.finish("train")
-    _drop_checkpoints(run, run.root / "checkpoints" / "train")
+
+    def save() -> None:
+        _save_model(model, run.tokenizer, base_dir)
+        run.base = to_device(model, run.device).eval()
+        run.dir.finish("train")
+        _drop_checkpoints(run, run.root / "checkpoints" / "train")
+
+    _on_main(run, save)
 
 
 def _drop_checkpoints(run: Run, trainer_dir: Path) -> None:
@@ -298,6 +369,22 @@ def arm_heads(run: Run, arm: ArmSpec, scores: dict) -> dict[int, list[int]]:
     )
 
 
+def fresh_base(run: Run):
+    """A new copy of the starting model, read from ``base/`` on disk, on the run's device, in eval mode.
+
+    Arms prune such copies (one at a time, released after saving), so a run holds at most the
+    base model and one arm's model, however many arms it has.
+    """
+    return to_device(load_saved(run, run.root / "base"), run.device).eval()
+
+
+def release() -> None:
+    """Free models the caller has dropped: collect reference cycles now, and the device's cached blocks."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def stage_prune(run: Run) -> None:
     """Every arm starts from the same base model, so criteria compare on equal terms."""
     import json
@@ -307,7 +394,7 @@ def stage_prune(run: Run) -> None:
         state = run.dir.arm(arm.label)
         if state.get("pruned"):
             continue
-        model = copy.deepcopy(run.base)
+        model = fresh_base(run)
         calibration = _calibration_batches(run, arm.compensate) if arm.compensate else None
         options = arm.compensate.prune_options() if arm.compensate else {}
         if arm.rounds > 1:
@@ -331,7 +418,8 @@ def stage_prune(run: Run) -> None:
         logger.info("arm %s: removed %d heads -> %s", arm.label, summary.heads_removed, path)
         if summary.compensation is not None:
             logger.info("arm %s: %s", arm.label, str(summary.compensation).splitlines()[0])
-        del model
+        del model, summary, calibration
+        release()
     run.dir.finish("prune")
 
 
@@ -364,10 +452,14 @@ def _calibration_batches(run: Run, spec) -> list[dict]:
 
 
 def stage_finetune(run: Run) -> None:
-    """Fine-tune every arm (LM loss, or distillation from one teacher loaded once for all arms)."""
+    """Fine-tune every arm (LM loss, or distillation from one teacher loaded once for all arms).
+
+    Every process loads the pruned arm from disk and trains it; the main process saves it.
+    """
     spec = run.recipe.finetune
     if spec is None or run.dir.done("finetune"):
         return
+    main = run.ranks.is_main
     seq = run.recipe.data.seq_len
     train_split = "train" if "train" in run.ids else "valid"
     teacher = None
@@ -375,7 +467,8 @@ def stage_finetune(run: Run) -> None:
         state = run.dir.arm(arm.label)
         arm_dir = run.root / "arms" / _safe(arm.label)
         if state.get("finetuned"):
-            _drop_checkpoints(run, arm_dir / "checkpoints")
+            if main:
+                _drop_checkpoints(run, arm_dir / "checkpoints")
             continue
         model = load_saved(run, run.root / state["pruned_dir"])
         if spec.distill is not None and teacher is None:
@@ -398,18 +491,25 @@ def stage_finetune(run: Run) -> None:
         )
         if spec.lora is not None:
             model = merge_lora(model)
-        _save_model(model, run.tokenizer, arm_dir / "finetuned")
-        state.update(finetuned=True, finetuned_dir=str((arm_dir / "finetuned").relative_to(run.root)))
-        state["finetune"] = {"steps": out.global_step, "train_loss": out.training_loss}
-        if spec.distill is not None:
-            state["finetune"]["distill"] = spec.distill.model_dump()
-        if spec.lora is not None:
-            state["finetune"]["lora"] = spec.lora.model_dump()
-        run.dir.save()
-        _drop_checkpoints(run, arm_dir / "checkpoints")
-        del model
+        _on_main(run, functools.partial(_save_finetuned, run, model, arm_dir, state, out))
+        del model, out
+        release()
     del teacher
-    run.dir.finish("finetune")
+    release()
+    _on_main(run, lambda: run.dir.finish("finetune"))
+
+
+def _save_finetuned(run: Run, model, arm_dir: Path, state: dict, out) -> None:
+    spec = run.recipe.finetune
+    _save_model(model, run.tokenizer, arm_dir / "finetuned")
+    state.update(finetuned=True, finetuned_dir=str((arm_dir / "finetuned").relative_to(run.root)))
+    state["finetune"] = {"steps": out.global_step, "train_loss": out.training_loss}
+    if spec.distill is not None:
+        state["finetune"]["distill"] = spec.distill.model_dump()
+    if spec.lora is not None:
+        state["finetune"]["lora"] = spec.lora.model_dump()
+    run.dir.save()
+    _drop_checkpoints(run, arm_dir / "checkpoints")
 
 
 def load_teacher(run: Run, student):
@@ -434,8 +534,12 @@ def _task(model) -> str:
 # -- evaluation and report ----------------------------------------------------------------------
 
 
-def evaluate_model(run: Run, model, label: str) -> dict:
-    """Perplexity (or MLM loss), parameter counts and speed of one model."""
+def evaluate_model(run: Run, model, label: str, *, offload: bool = False) -> dict:
+    """Perplexity (or MLM loss), parameter counts and speed of one model.
+
+    ``offload``: the base model waits on the CPU, and the speed comparison moves the two models
+    to the device in turn (they do not fit there together).
+    """
     spec, data = run.recipe.evaluate, run.recipe.data
     model = to_device(model, run.device).eval()
     ids = run.ids[_eval_split(run)]
@@ -474,8 +578,9 @@ def evaluate_model(run: Run, model, label: str) -> dict:
             repeats=spec.speed_repeats,
             device=run.device,
             control=True,
+            offload=offload,
         )
-        out["speed"] = {**speed["b"], **speedup_fields(speed)}
+        out["speed"] = {**speed["b"], **speedup_fields(speed), **({"offload": True} if offload else {})}
     logger.info("evaluated %s: ppl %.3f, %d params", label, out["perplexity"], out["params"])
     return out
 
@@ -489,6 +594,11 @@ def stage_evaluate(run: Run) -> dict:
         return json.loads(path.read_text())
     results: dict[str, Any] = {"baseline": evaluate_model(run, run.base, "baseline"), "arms": []}
     scores = json.loads((run.root / "scores.json").read_text())
+    # An arm is never larger than the base: two copies of the base bound what the device must hold.
+    offload = run.recipe.evaluate.speed and not fits_together([run.base, run.base], run.device)
+    if offload:
+        logger.info("base and arm do not fit on %s together: the base waits on the CPU", run.device)
+        run.base.to("cpu")
     for arm in run.recipe.prune.arms:
         state = run.dir.arm(arm.label)
         pruned = load_saved(run, run.root / state["pruned_dir"])
@@ -506,14 +616,14 @@ def stage_evaluate(run: Run) -> dict:
             "per_round": state.get("rounds"),
             "heads_removed": state["heads_removed"],
             "removed": state["removed"],
-            "pruned": evaluate_model(run, pruned, f"{arm.label} (pruned)"),
+            "pruned": evaluate_model(run, pruned, f"{arm.label} (pruned)", offload=offload),
             "model_dir": state["pruned_dir"],
             "score_report": scores.get(criterion_key(arm), {}).get("report", {}),
         }
         del pruned
         if state.get("finetuned"):
             tuned = load_saved(run, run.root / state["finetuned_dir"])
-            row["finetuned"] = evaluate_model(run, tuned, f"{arm.label} (fine-tuned)")
+            row["finetuned"] = evaluate_model(run, tuned, f"{arm.label} (fine-tuned)", offload=offload)
             row["model_dir"] = state["finetuned_dir"]
             row["distill"] = state.get("finetune", {}).get("distill")
             del tuned
@@ -521,6 +631,8 @@ def stage_evaluate(run: Run) -> dict:
         row["params"] = final["params"]
         row["perplexity"] = final["perplexity"]
         results["arms"].append(row)
+        release()
+    to_device(run.base, run.device)
     results["baseline"]["model_dir"] = "base"
     results["run"] = {
         "name": run.recipe.name,

@@ -1,4 +1,4 @@
-"""Train and fine-tune through ``transformers.Trainer`` (so ``accelerate launch`` / ``torchrun`` just work)."""
+"""Train and fine-tune through ``transformers.Trainer`` (data-parallel under ``torchrun`` / ``accelerate launch``)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,129 @@
+"""A recipe under ``torchrun --nproc_per_node 2`` (gloo on the CPU) against the same recipe in one process.
+
+What must agree, and what need not: the starting model is a fixed checkpoint (no train stage),
+and scoring, pruning and evaluation run on the main process alone, so the heads removed, the
+baseline perplexity and each arm's perplexity before fine-tuning are the same as in one process.
+Fine-tuning is data-parallel: each of the two processes sees half the batches, so the fine-tuned
+weights (and perplexities) differ from a one-process run and are only checked to exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_pipeline import TINY, invoke, recipe_file
+
+from sinv_prune import data as data_mod
+from sinv_prune import pipeline
+from sinv_prune.preflight import build_model
+from sinv_prune.recipe import validate_recipe
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def saved_base(path: Path) -> Path:
+    """TINY's untrained starting model and its word tokenizer, saved as a checkpoint directory."""
+    recipe = validate_recipe(TINY)
+    corpus = pipeline.load_corpus(recipe)
+    tokenizer = data_mod.train_tokenizer(corpus["train"], kind="word", vocab_size=recipe.data.tokenizer.vocab_size)
+    model = build_model(recipe, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def torchrun(*args, cwd: Path) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "sinv_prune.cli", *map(str, args)]  # fmt: skip
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    data = {
+        **TINY,
+        "model": {"path": str(saved_base(tmp / "start"))},
+        "data": {**TINY["data"], "tokenizer": {"kind": "model"}},
+        "train": None,
+        "prune": {"arms": [{"criterion": "magnitude", "amount": 2}, {"criterion": "taylor", "amount": 2}]},
+        "finetune": {"max_steps": 2, "batch_size": 4},
+    }
+    recipe = recipe_file(tmp, data)
+    single = invoke(recipe, "--output", tmp / "one", "--quiet", "--threads", 1)
+    assert single.exit_code == 0, single.output
+    launched = torchrun(recipe, "--output", tmp / "two", "--threads", 1, cwd=tmp)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    return tmp, launched
+
+
+def test_two_processes_prune_and_evaluate_as_one(runs):
+    tmp, _ = runs
+    one = json.loads((tmp / "one" / "results.json").read_text())
+    two = json.loads((tmp / "two" / "results.json").read_text())
+    assert two["baseline"]["perplexity"] == pytest.approx(one["baseline"]["perplexity"], rel=1e-4)
+    assert [a["name"] for a in two["arms"]] == [a["name"] for a in one["arms"]]
+    for a, b in zip(one["arms"], two["arms"], strict=True):
+        assert b["removed"] == a["removed"] and b["heads_removed"] == a["heads_removed"] == 2
+        assert b["pruned"]["perplexity"] == pytest.approx(a["pruned"]["perplexity"], rel=1e-4)
+        assert b["finetuned"]["perplexity"] > 1  # fine-tuned (by both processes)
+    state = json.loads((tmp / "two" / "state.json").read_text())
+    assert state["finished"] == ["train", "score", "prune", "finetune", "evaluate", "report"]  # train: saved base/
+    assert all(state["arms"][a["name"]]["finetune"]["steps"] == 2 for a in two["arms"])
+
+
+def test_one_process_writes_the_run_directory(runs):
+    tmp, launched = runs
+    out = tmp / "two"
+    assert [p.relative_to(out) for p in out.rglob("results.json")] == [Path("results.json")]
+    assert not [p for p in out.rglob(".*")]  # no temp file of an interrupted or competing write
+    log = (out / "run.log").read_text().splitlines()
+    messages = [line.split(" ", 2)[2] for line in log]  # without the timestamp
+    assert len(messages) == len(set(messages)), "a line was logged twice"
+    assert sum("run tiny in" in m and "processes=2" in m for m in messages) == 1
+    assert launched.stdout.count("report: ") == 1  # the summary, printed once
+
+
+def test_an_error_on_the_main_process_stops_every_process_with_one_message(runs):
+    tmp, _ = runs
+    before = (tmp / "two" / "results.json").read_text()
+    launched = torchrun(tmp / "tiny.yaml", "--output", tmp / "two", "--threads", 1, cwd=tmp)  # exists: no --overwrite
+    errors = [line for line in launched.stderr.splitlines() if line.startswith("error: ")]
+    assert launched.returncode != 0 and len(errors) == 1 and "--overwrite" in errors[0], launched.stderr[-3000:]
+    assert (tmp / "two" / "results.json").read_text() == before
+
+
+def test_resume_under_torchrun_finishes_an_interrupted_finetune(runs):
+    """As if the launch had stopped while fine-tuning the second arm: --resume redoes that arm only."""
+    tmp, _ = runs
+    out = tmp / "resumed"
+    shutil.copytree(tmp / "two", out)
+    state = json.loads((out / "state.json").read_text())
+    state["finished"] = ["train", "score", "prune"]
+    for key in ("finetuned", "finetuned_dir", "finetune"):
+        del state["arms"]["taylor-2-global"][key]
+    (out / "state.json").write_text(json.dumps(state))
+    shutil.rmtree(out / "arms" / "taylor-2-global" / "finetuned")
+    (out / "results.json").unlink()
+    kept = (out / "arms" / "magnitude-2-global" / "finetuned" / "model.safetensors").stat().st_mtime_ns
+
+    launched = torchrun(tmp / "tiny.yaml", "--output", out, "--resume", "--threads", 1, "--quiet", cwd=tmp)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    state = json.loads((out / "state.json").read_text())
+    assert state["finished"] == ["train", "score", "prune", "finetune", "evaluate", "report"]
+    assert state["arms"]["taylor-2-global"]["finetune"]["steps"] == 2
+    assert (out / "arms" / "magnitude-2-global" / "finetuned" / "model.safetensors").stat().st_mtime_ns == kept
+    results = json.loads((out / "results.json").read_text())
+    assert all(arm["finetuned"]["perplexity"] > 1 for arm in results["arms"])
+    messages = [line.split(" ", 2)[2] for line in (out / "run.log").read_text().splitlines()]
+    assert sum("resume=True, processes=2" in m for m in messages) == 1
