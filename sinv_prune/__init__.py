@@ -9,7 +9,7 @@ from sinv_prune.hub import push_pruned
 from sinv_prune.measures import head_measures
 from sinv_prune.pruner import HeadPruner
 from sinv_prune.selection import select_heads
-from sinv_prune.surgery import PruneSummary, count_parameters, prune_heads
+from sinv_prune.surgery import PruneSummary, count_parameters, prune, prune_heads
 from sinv_prune.symmetry import ECD, add_symmetry_breaking, build_optimizer, restore_symmetry_breaking
 from sinv_prune.tracking import ConvergenceCallback, HeadFreezer, stop_rule, track
 from sinv_prune.version import __version__
@@ -31,6 +31,7 @@ __all__ = [
     "HeadFreezer",
     "HeadPruner",
     "plot_trace",
+    "prune",
     "prune_heads",
     "push_pruned",
     "PruneSummary",
