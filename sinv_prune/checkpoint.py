@@ -111,7 +111,11 @@ def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: P
         model.__class__ = base
         config.architectures = [base.__name__]
         if getattr(config, "auto_map", None):
-            config.auto_map = {k: v for k, v in config.auto_map.items() if REMOTE_MODULE not in str(v)} or None
+            kept = {k: v for k, v in config.auto_map.items() if REMOTE_MODULE not in str(v)}
+            if kept:
+                config.auto_map = kept
+            else:  # saved as null, auto_map would break AutoConfig; drop the attribute
+                vars(config).pop("auto_map", None)
     else:
         if getattr(adapter, "stock_reload", False):
             logger.warning("sinv_prune: %s; the checkpoint reloads through trust_remote_code=True", stock_reason)
