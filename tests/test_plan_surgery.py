@@ -430,23 +430,30 @@ def test_bias_compensation_of_channels_adds_the_mean_contribution():
 def test_smollm2_mixed_plan_and_stock_reload_of_a_uniform_cut(tmp_path):
     model = sinv_prune.from_pretrained(smollm2_gguf(), attn_implementation="eager").eval()
     inputs = {"input_ids": torch.tensor([[1, 504, 3458, 314, 253, 1345, 30]])}
-    width = model.config.intermediate_size
-    mixed = {"heads": {3: [0, 1, 2]}, "mlp": {5: list(range(0, width, 3))}, "layers": [10, 20]}
-    pruned = copy.deepcopy(model)
-    sinv_prune.prune(pruned, mixed)
-    close(model_output(pruned, inputs), model_output(reference(model, "llama", mixed), inputs), atol=1e-4)
+    width, n = model.config.intermediate_size, model.config.num_hidden_layers
+    # 30 layers of float32 sums in another order: logits (up to ~20) agree to ~1e-4
+    tol = {"atol": 1e-3, "rtol": 1e-4}
 
-    n = model.config.num_hidden_layers
     uniform = {"mlp": {layer: list(range(layer % 4, width, 4)) for layer in range(n) if layer not in (7, 8)}}
     uniform["layers"] = [7, 8]
-    ref = reference(model, "llama", uniform)
-    sinv_prune.prune(model, uniform)
-    model.save_pretrained(tmp_path)
+    want = model_output(reference(model, "llama", uniform), inputs)
+    pruned = copy.deepcopy(model)
+    sinv_prune.prune(pruned, uniform)
+    got = model_output(pruned, inputs)
+    torch.testing.assert_close(got, want, **tol)
+    pruned.save_pretrained(tmp_path)
+    del pruned
     saved = json.loads((tmp_path / "config.json").read_text())
     assert "auto_map" not in saved and saved["sinv_prune"]["stock_layout"] is True
     assert saved["intermediate_size"] == width - width // 4 and saved["num_hidden_layers"] == n - 2
     stock = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
-    close(model_output(stock, inputs), model_output(ref, inputs), atol=1e-4)
+    close(model_output(stock, inputs), got, atol=1e-5)
+    del stock
+
+    mixed = {"heads": {3: [0, 1, 2]}, "mlp": {5: list(range(0, width, 3))}, "layers": [10, 20]}
+    want = model_output(reference(model, "llama", mixed), inputs)
+    sinv_prune.prune(model, mixed)
+    torch.testing.assert_close(model_output(model, inputs), want, **tol)
 
 
 @pytest.mark.real
