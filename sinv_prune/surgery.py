@@ -380,7 +380,8 @@ def plan_channels(adapter: HeadAdapter, mlp: Mapping[int, Iterable[int]]) -> dic
         if layer in seen:
             raise ValueError(f"mlp: layer {layer} is named more than once (keys {raw_layer!r} and {seen[layer]!r})")
         seen[layer] = raw_layer
-        removed = [_index(c, f"channel in layer {layer}") for c in _index_list(raw_channels, f"mlp layer {layer}: channels")]
+        channels = _index_list(raw_channels, f"mlp layer {layer}: channels")
+        removed = [_index(c, f"channel in layer {layer}") for c in channels]
         if len(set(removed)) != len(removed):
             dupes = sorted({c for c in removed if removed.count(c) > 1})
             raise ValueError(f"mlp layer {layer}: duplicate channel indices {dupes}")
