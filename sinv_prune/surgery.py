@@ -281,7 +281,7 @@ def _cut(model, adapter, record, plan: _Plan, inputs, compensate, ridge, add_bia
 
 
 def unprunable_reason(model: nn.Module, adapter: HeadAdapter) -> str | None:
-    """Why slicing ``model``'s heads would go wrong (quantized or unmaterialized weights), or None."""
+    """Why slicing ``model``'s heads or MLPs would go wrong (quantized or unmaterialized weights), or None."""
     quantizer = getattr(model, "hf_quantizer", None)
     quant_config = getattr(model.config, "quantization_config", None)
     if quantizer is not None or quant_config is not None or getattr(model, "is_quantized", False):
@@ -294,7 +294,7 @@ def unprunable_reason(model: nn.Module, adapter: HeadAdapter) -> str | None:
         if tensor.device.type == "meta":
             return f"{name} is on the meta device (offloaded or never loaded); load every weight onto a real device"
     for layer in range(adapter.num_layers):
-        for module in adapter.touched_modules(layer):
+        for module in [*adapter.touched_modules(layer), *adapter.mlp_modules(layer)]:
             for name, param in module.named_parameters():
                 if type(param) is not nn.Parameter or not param.dtype.is_floating_point:
                     kind = f"{type(param).__name__} of dtype {str(param.dtype).removeprefix('torch.')}"
