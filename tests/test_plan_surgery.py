@@ -466,3 +466,20 @@ def test_minilm_mixed_plan_matches_the_reference():
     ref = reference(model, "bert", plan)
     sinv_prune.prune(model, plan)
     close(model_output(model, inputs), model_output(ref, inputs), atol=1e-4)
+
+
+def test_cli_info_and_model_card_name_removed_blocks_and_channels(tmp_path):
+    from click.testing import CliRunner
+
+    from sinv_prune.cli import main
+    from sinv_prune.model_card import model_card
+
+    model = fresh("gpt2")
+    sinv_prune.prune(model, {"heads": {0: [1]}, "mlp": {0: [0, 1, 2]}, "layers": [1]})
+    model.save_pretrained(tmp_path)
+    info = CliRunner().invoke(main, ["info", str(tmp_path)])
+    assert info.exit_code == 0, info.output
+    assert "layer   1: removed (the whole block)" in info.output
+    assert "removed [1]  MLP channels kept 125/128" in info.output
+    card = model_card(model.config, repo_id="me/tiny")
+    assert "1 whole blocks removed (original layers [1]); 125 to 128 of 128 MLP channels kept" in card
