@@ -214,15 +214,7 @@ def test_gpt2_with_depth_scaled_attention_refuses_layer_removal():
         sinv_prune.prune(model, {"layers": [0]})
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
-def test_failure_after_dropping_layers_restores_everything(monkeypatch, arch):
-    model = sliding_qwen2() if arch == "qwen2" else fresh(arch)
-    sinv_prune.prune(model, {"heads": {0: group(model)}, "mlp": {1: [2]}})  # pruned before: a record exists
-    inputs = padded_inputs()
-    expected = model_output(model, inputs)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    config, cls = copy.deepcopy(model.config.to_dict()), type(model)
-    blocks = get_adapter(model).layers()
+def _fail_after_dropping(monkeypatch, model) -> None:
     original = sinv_prune.surgery.drop_layers
 
     def drop_then_fail(*args):
@@ -230,8 +222,34 @@ def test_failure_after_dropping_layers_restores_everything(monkeypatch, arch):
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(sinv_prune.surgery, "drop_layers", drop_then_fail)
+
+
+def _fail_on_second_mlp(monkeypatch, model) -> None:
+    cls, calls = type(get_adapter(model)), []
+    original = cls.slice_mlp
+
+    def slice_mlp(self, layer, keep):
+        calls.append(layer)
+        original(self, layer, keep)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(cls, "slice_mlp", slice_mlp)
+
+
+@pytest.mark.parametrize("fail", [_fail_after_dropping, _fail_on_second_mlp])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_failure_part_way_restores_everything(monkeypatch, arch, fail):
+    model = sliding_qwen2() if arch == "qwen2" else fresh(arch)
+    sinv_prune.prune(model, {"heads": {0: group(model)}, "mlp": {1: [2]}})  # pruned before: a record exists
+    inputs = padded_inputs()
+    expected = model_output(model, inputs)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config, cls = copy.deepcopy(model.config.to_dict()), type(model)
+    blocks = get_adapter(model).layers()
+    fail(monkeypatch, model)
     with pytest.raises(RuntimeError, match="injected failure"):
-        sinv_prune.prune(model, {"layers": [0], "mlp": {2: [0, 3]}, "heads": {1: group(model)}})
+        sinv_prune.prune(model, {"layers": [0], "mlp": {1: [1], 2: [0, 3]}, "heads": {1: group(model)}})
     assert type(model) is cls and model.config.to_dict() == config
     assert get_adapter(model).layers() == blocks
     for i, block in enumerate(blocks):
