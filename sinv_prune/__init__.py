@@ -10,7 +10,7 @@ from sinv_prune.measures import head_measures
 from sinv_prune.pruner import HeadPruner, Part, Pruner
 from sinv_prune.selection import select_heads
 from sinv_prune.selection_units import select_channels, select_layers
-from sinv_prune.surgery import PruneSummary, count_parameters, prune_heads
+from sinv_prune.surgery import PruneSummary, count_parameters, prune, prune_heads
 from sinv_prune.symmetry import ECD, add_symmetry_breaking, build_optimizer, restore_symmetry_breaking
 from sinv_prune.tracking import ConvergenceCallback, HeadFreezer, stop_rule, track
 from sinv_prune.version import __version__
@@ -34,6 +34,7 @@ __all__ = [
     "HeadPruner",
     "Part",
     "plot_trace",
+    "prune",
     "prune_heads",
     "Pruner",
     "push_pruned",

@@ -2,14 +2,19 @@
 
 Two reload routes exist for a pruned model:
 
-* **stock**: LLaMA-family models with the same head count in every layer; the
-  config's own ``num_attention_heads`` / ``num_key_value_heads`` / ``head_dim``
-  describe the pruned shapes and the stock class loads them.
-* **remote code**: everything else; the config keeps the original sizes plus the
-  pruning record, the model's class becomes ``SinvPruned<Base>`` (a subclass whose
-  ``__init__`` re-applies the record), and ``save_pretrained`` ships
+* **stock**: the same sizes in every layer, which the config can state: the config's
+  own ``intermediate_size`` (GPT-2 ``n_inner``) and, for LLaMA-family models,
+  ``num_attention_heads`` / ``num_key_value_heads`` / ``head_dim`` describe the pruned
+  shapes and the stock class loads them. GPT-2 and BERT qualify while their heads are
+  untouched (their configs cannot describe pruned heads).
+* **remote code**: everything else; the config keeps the original head and MLP sizes
+  plus the pruning record, the model's class becomes ``SinvPruned<Base>`` (a subclass
+  whose ``__init__`` re-applies the record), and ``save_pretrained`` ships
   ``modeling_sinv_prune.py`` with an ``auto_map`` so ``AutoModel*`` loads it with
   ``trust_remote_code=True``.
+
+On both routes the config's layer count (``num_hidden_layers`` / ``n_layer``) and
+``layer_types`` describe the current stack: removed blocks are never rebuilt.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto import modeling_auto
 
-from sinv_prune.arch import HeadAdapter, get_adapter
+from sinv_prune.arch import HeadAdapter
 from sinv_prune.record import PruningRecord, get_record
+from sinv_prune.shapes import apply_record
 from sinv_prune.symmetry import restore_symmetry_breaking
 
 logger = logging.getLogger(__name__)
@@ -86,59 +92,74 @@ def class_by_name(name: str, module: str) -> type:
     return cls
 
 
-def apply_record(model: nn.Module, record: PruningRecord) -> None:
-    """Slice a freshly built model (original sizes) to the shapes in ``record``."""
-    from sinv_prune.surgery import apply_layer
-
-    adapter = get_adapter(model)
-    for layer in sorted(record.pruned_heads):
-        if record.pruned_heads[layer]:
-            apply_layer(adapter, layer, record.kept_heads(layer), record.kept_kv_heads(layer))
-
-
 def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: PruningRecord) -> None:
     """Choose the reload route after pruning and set class and config to match it."""
-    from sinv_prune.record import set_record
+    from sinv_prune.record import set_record  # looked up at call time (tests inject failures there)
 
     config = model.config
     base = base_class(type(model))
     layouts = {adapter.layout(i) for i in range(adapter.num_layers)}
-    stock_reason = _stock_refusal(adapter, config, record, layouts)
+    widths = {adapter.intermediate_size(i) for i in range(adapter.num_layers)}
+    stock_reason = _stock_refusal(adapter, config, record, layouts, widths)
     if stock_reason is None:
         (layout,) = layouts
-        _set_head_counts(adapter, config, layout.num_heads, layout.num_kv_heads, record.head_dim)
+        if _heads_pruned(record):
+            _set_head_counts(adapter, config, layout.num_heads, layout.num_kv_heads, record.head_dim)
+        (width,) = widths
+        _set_intermediate(adapter, config, width)
         record.stock_layout = True
         model.__class__ = base
         config.architectures = [base.__name__]
         if getattr(config, "auto_map", None):
-            config.auto_map = {k: v for k, v in config.auto_map.items() if REMOTE_MODULE not in str(v)} or None
+            kept = {k: v for k, v in config.auto_map.items() if REMOTE_MODULE not in str(v)}
+            if kept:
+                config.auto_map = kept
+            else:  # saved as null, auto_map would break AutoConfig; drop the attribute
+                vars(config).pop("auto_map", None)
     else:
         if getattr(adapter, "stock_reload", False):
             logger.warning("sinv_prune: %s; the checkpoint reloads through trust_remote_code=True", stock_reason)
         _set_head_counts(adapter, config, record.num_heads, record.num_kv_heads, record.head_dim)
+        _set_intermediate(adapter, config, record.intermediate_size)
         record.stock_layout = False
         model.__class__ = pruned_class(base)
         config.auto_map = _auto_map(config.model_type, base.__name__)
     set_record(config, record)
 
 
-def _stock_refusal(adapter, config, record, layouts) -> str | None:
+def _heads_pruned(record: PruningRecord) -> bool:
+    return any(record.pruned_heads.values())
+
+
+def _stock_refusal(adapter, config, record, layouts, widths) -> str | None:
     """Why the stock class cannot load this pruned model, or None when it can."""
-    if not getattr(adapter, "stock_reload", False):
+    heads = _heads_pruned(record)
+    if heads and not getattr(adapter, "stock_reload", False):
         return "stock classes cannot describe pruned heads for this architecture"
     if len(layouts) != 1:
         return "layers keep different head counts, which stock classes cannot describe"
+    if len(widths) != 1:
+        return "layers keep different MLP widths, which stock classes cannot describe"
     (layout,) = layouts
     if layout.num_heads == 0:
         return "every layer lost all its heads"
     trial = config.to_dict()
-    trial.update({adapter.config_heads_key: layout.num_heads, "head_dim": record.head_dim})
-    trial[adapter.config_kv_heads_key] = layout.num_kv_heads
+    if heads:
+        trial.update({adapter.config_heads_key: layout.num_heads, "head_dim": record.head_dim})
+        trial[adapter.config_kv_heads_key] = layout.num_kv_heads
+    (trial[adapter.config_intermediate_key],) = widths
     try:
         type(config).from_dict(trial)
     except Exception as err:  # the config class's own validation decides
-        return f"{type(config).__name__} refuses {layout.num_heads} heads ({err})"
+        what = f"{layout.num_heads} heads" if heads else f"MLP width {trial[adapter.config_intermediate_key]}"
+        return f"{type(config).__name__} refuses {what} ({err})"
     return None
+
+
+def _set_intermediate(adapter, config, width: int | None) -> None:
+    """State the MLP width in the config, leaving it alone when it already says so (GPT-2's None = 4 x n_embd)."""
+    if width is not None and adapter.config_intermediate_size(config) != width:
+        setattr(config, adapter.config_intermediate_key, width)
 
 
 def _set_head_counts(adapter, config, heads: int, kv_heads: int, head_dim: int) -> None:

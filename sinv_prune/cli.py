@@ -281,9 +281,14 @@ def info(source: str) -> None:
         "stock class, no remote code" if record.stock_layout else "sinv_prune.from_pretrained or trust_remote_code=True"
     )
     click.echo(f"{path}: {record.base_class}, {record.num_layers} layers x {record.num_heads} heads ({route})")
+    mlp = bool(record.pruned_mlp)
     for layer in range(record.num_layers):
+        if layer in record.removed_layers:
+            click.echo(f"  layer {layer:>3}: removed (the whole block)")
+            continue
         removed = sorted(record.pruned_heads.get(layer, []))
-        click.echo(f"  layer {layer:>3}: kept {record.num_heads - len(removed):>3}  removed {removed}")
+        channels = f"  MLP channels kept {len(record.kept_channels(layer))}/{record.intermediate_size}" if mlp else ""
+        click.echo(f"  layer {layer:>3}: kept {record.num_heads - len(removed):>3}  removed {removed}{channels}")
 
 
 def _model_source(source: str, gguf_file: str | None = None) -> str:

@@ -237,6 +237,19 @@ def head_cuts(adapter: HeadAdapter, plan: Mapping[int, tuple], apply: Callable[[
     return cuts
 
 
+def mlp_cuts(
+    adapter: HeadAdapter, plan: Mapping[int, tuple[list[int], list[int]]], apply: Callable[[int], None]
+) -> dict[int, list[Cut]]:
+    """One :class:`Cut` of the down projection per layer of a channel plan (``layer -> (removed, kept)``)."""
+    cuts = {}
+    for layer, (removed, keep) in plan.items():
+        consumer = adapter.mlp_out(layer)
+        device = consumer.weight.device
+        columns = [torch.tensor(c, dtype=torch.long, device=device) for c in (keep, removed)]
+        cuts[layer] = [Cut("mlp", consumer, *columns, lambda layer=layer: apply(layer))]
+    return cuts
+
+
 def compensate(
     blocks: list[nn.Module], cuts: Mapping[int, list[Cut]], inputs: list[BlockInput], method: str, ridge: float
 ) -> CompensationReport:

@@ -149,6 +149,12 @@ def _summary(config, record, base_class, base_id, recipe, row, stage, params, pa
     kv = f", {record.num_kv_heads} KV heads originally" if record.num_kv_heads != record.num_heads else ""
     lines.append(f"- **Shape:** {record.num_layers} layers, {per_layer} of {record.num_heads} heads kept per layer "
                  f"(head dim {record.head_dim}{kv}).")  # fmt: skip
+    if record.removed_layers or record.pruned_mlp:
+        widths = sorted({len(record.kept_channels(i)) for i in record.kept_layers()})
+        width = f"{widths[0]}" if len(widths) == 1 else f"{widths[0]} to {widths[-1]}"
+        lines.append(f"- **Depth and MLP:** {len(record.removed_layers)} whole blocks removed "
+                     f"(original layers {record.removed_layers or 'none'}); {width} of {record.intermediate_size} "
+                     "MLP channels kept per remaining layer.")  # fmt: skip
     return lines + [""]
 
 

@@ -17,12 +17,17 @@ RECORD_TYPE = "sinv_prune.head_pruning"
 
 @dataclass
 class PruningRecord:
-    """Original head geometry plus the heads removed from it, per layer.
+    """Original geometry plus what was removed from it, all in the original (unpruned) numbering.
 
-    ``pruned_heads`` maps a layer index to the removed query heads, numbered as in
-    the original (unpruned) model. ``stock_layout`` is true when the config's own
-    head counts already describe the pruned shapes (LLaMA family, same count in
-    every layer), so the stock class loads the checkpoint without remote code.
+    ``pruned_heads`` maps an original layer index to its removed query heads,
+    ``pruned_mlp`` an original layer index to its removed MLP channels, and
+    ``removed_layers`` lists the original indices of the blocks dropped; layer ``i`` of
+    the current model is original layer ``kept_layers()[i]``. ``intermediate_size`` is the
+    original MLP width (None in records written before MLP pruning: unpruned then).
+    ``stock_layout`` is true when the config's own sizes already describe the pruned shapes
+    (same sizes in every layer, a family whose config can say so), so the stock class loads
+    the checkpoint without remote code. The config's layer count (and ``layer_types``) always
+    describe the current stack, whichever the route.
     """
 
     base_class: str
@@ -31,6 +36,9 @@ class PruningRecord:
     num_kv_heads: int
     head_dim: int
     pruned_heads: dict[int, list[int]] = field(default_factory=dict)
+    intermediate_size: int | None = None
+    pruned_mlp: dict[int, list[int]] = field(default_factory=dict)
+    removed_layers: list[int] = field(default_factory=list)
     stock_layout: bool = False
     type: str = RECORD_TYPE
     version: str = __version__
@@ -47,9 +55,21 @@ class PruningRecord:
     def kept_kv_heads(self, layer: int) -> list[int]:
         return sorted({h // self.group_size for h in self.kept_heads(layer)})
 
+    def kept_layers(self) -> list[int]:
+        """Original indices of the blocks still present, in order: current layer ``i`` is ``kept_layers()[i]``."""
+        removed = set(self.removed_layers)
+        return [i for i in range(self.num_layers) if i not in removed]
+
+    def kept_channels(self, layer: int) -> list[int]:
+        """MLP channels of the original model still present in (original) ``layer``, in order."""
+        removed = set(self.pruned_mlp.get(layer, ()))
+        return [c for c in range(self.intermediate_size or 0) if c not in removed]
+
     def to_json(self) -> dict:
         data = asdict(self)
         data["pruned_heads"] = {str(k): sorted(v) for k, v in sorted(self.pruned_heads.items()) if v}
+        data["pruned_mlp"] = {str(k): sorted(v) for k, v in sorted(self.pruned_mlp.items()) if v}
+        data["removed_layers"] = sorted(self.removed_layers)
         data["version"] = __version__
         return data
 
@@ -59,6 +79,8 @@ class PruningRecord:
             raise ValueError(f"config.{RECORD_KEY} is not a sinv_prune pruning record (type={data.get('type')!r})")
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         fields["pruned_heads"] = {int(k): list(v) for k, v in data.get("pruned_heads", {}).items()}
+        fields["pruned_mlp"] = {int(k): list(v) for k, v in data.get("pruned_mlp", {}).items()}
+        fields["removed_layers"] = sorted(int(i) for i in data.get("removed_layers", ()))
         return cls(**fields)
 
 

@@ -102,6 +102,8 @@ class HeadAdapter:
     #: Config attributes holding the original head counts (query, key/value or None).
     config_heads_key: ClassVar[str] = "num_attention_heads"
     config_kv_heads_key: ClassVar[str | None] = None
+    #: Config attribute holding the MLP width (GPT-2: ``n_inner``, where None means 4 x ``n_embd``).
+    config_intermediate_key: ClassVar[str] = "intermediate_size"
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -110,6 +112,10 @@ class HeadAdapter:
     # -- per architecture -------------------------------------------------
     def layers(self) -> list[nn.Module]:
         """The transformer blocks, in order."""
+        return list(self.layer_stack())
+
+    def layer_stack(self) -> nn.ModuleList:
+        """The ``nn.ModuleList`` holding the transformer blocks (what layer removal edits)."""
         raise NotImplementedError
 
     def attention(self, layer: int) -> nn.Module:
@@ -145,6 +151,16 @@ class HeadAdapter:
         """Current number of MLP channels of ``layer``."""
         return linear_weight(self.mlp_out(layer)).shape[1]
 
+    def slice_mlp(self, layer: int, keep: torch.Tensor) -> None:
+        """Physically keep only the MLP channels ``keep`` (rows of every ``mlp_in`` module, columns of ``mlp_out``)."""
+        for module in self.mlp_in(layer):
+            select_out(module, keep)
+        select_in(self.mlp_out(layer), keep)
+
+    def mlp_modules(self, layer: int) -> list[nn.Module]:
+        """The modules ``slice_mlp`` changes."""
+        return [*self.mlp_in(layer), self.mlp_out(layer)]
+
     def slice_heads(self, layer: int, keep_q: torch.Tensor, keep_kv: torch.Tensor) -> None:
         """Physically keep only query heads ``keep_q`` and KV heads ``keep_kv``."""
         raise NotImplementedError
@@ -165,6 +181,10 @@ class HeadAdapter:
     @property
     def num_layers(self) -> int:
         return len(self.layers())
+
+    def config_intermediate_size(self, config) -> int:
+        """The MLP width a config builds."""
+        return getattr(config, self.config_intermediate_key)
 
     def original_head_counts(self, config) -> tuple[int, int]:
         heads = getattr(config, self.config_heads_key)

@@ -23,8 +23,8 @@ class BertAdapter(HeadAdapter):
     name = "bert"
     model_types = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
 
-    def layers(self):
-        return list(self.base.encoder.layer)
+    def layer_stack(self):
+        return self.base.encoder.layer
 
     def attention(self, layer):
         return self.base.encoder.layer[layer].attention.self

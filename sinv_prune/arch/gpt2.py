@@ -22,9 +22,10 @@ class GPT2Adapter(HeadAdapter):
     name = "gpt2"
     model_types = ("gpt2",)
     config_heads_key = "n_head"
+    config_intermediate_key = "n_inner"
 
-    def layers(self):
-        return list(self.base.h)
+    def layer_stack(self):
+        return self.base.h
 
     def attention(self, layer):
         return self.base.h[layer].attn
@@ -41,6 +42,9 @@ class GPT2Adapter(HeadAdapter):
         q, k, v = linear_weight(attn.c_attn).split(attn.split_size, dim=0)
         qb, kb, vb = attn.c_attn.bias.split(attn.split_size, dim=0)
         return Projections(q, k, v, linear_weight(attn.c_proj), qb, kb, vb, attn.c_proj.bias)
+
+    def config_intermediate_size(self, config):
+        return config.n_inner or 4 * config.n_embd
 
     def mlp(self, layer):
         mlp = self.base.h[layer].mlp

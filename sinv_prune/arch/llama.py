@@ -22,8 +22,8 @@ class LlamaAdapter(HeadAdapter):
     #: Families whose stock config accepts any head count with an explicit head_dim.
     stock_reload = True
 
-    def layers(self):
-        return list(self.base.layers)
+    def layer_stack(self):
+        return self.base.layers
 
     def attention(self, layer):
         return self.base.layers[layer].self_attn
