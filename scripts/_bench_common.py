@@ -340,9 +340,6 @@ def kv_cache_bytes(model, batch: int, seq: int, dtype_bytes: int | None = None) 
 
 # -- structural cuts (sinv_prune.prune) ----------------------------------------------------------
 
-#: What a table shows for a cut that needs ``sinv_prune.prune`` where the installed package lacks it.
-NEEDS_PRUNE = "n/a (needs sinv_prune.prune)"
-
 
 def structure_plans(model) -> list[tuple[str, dict | None]]:
     """``sinv_prune.prune`` plans cutting 25%: every fourth MLP channel of every layer; every fourth layer.
@@ -357,10 +354,3 @@ def structure_plans(model) -> list[tuple[str, dict | None]]:
     mlp = {layer: list(range(0, adapter.intermediate_size(layer), 4)) for layer in range(n)}
     depth = list(range(3, n, 4))
     return [("MLP width 25%", {"mlp": mlp}), ("depth 25%", {"layers": depth} if depth else None)]
-
-
-def prune_function():
-    """``sinv_prune.prune`` (heads, MLP channels and layers in one plan) where the package has it, else ``None``."""
-    import sinv_prune
-
-    return getattr(sinv_prune, "prune", None)

@@ -46,7 +46,6 @@ import _bench_common as common  # noqa: E402
 import sinv_prune  # noqa: E402
 
 GiB = 2**30
-NEEDS_PRUNE = common.NEEDS_PRUNE
 
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -223,13 +222,12 @@ def run_figures(args, device: str, dtype: torch.dtype) -> tuple[list[dict], dict
     cuts: list[tuple[str, Callable | None, object]] = [
         (name, sinv_prune.prune_heads, plan) for name, plan in head_plans(base)
     ]
-    prune = common.prune_function()
-    cuts += [(name, prune, plan) for name, plan in common.structure_plans(base)]
+    cuts += [(name, sinv_prune.prune, plan) for name, plan in common.structure_plans(base)]
     speed_rows = []
     for name, fn, plan in cuts:
         label = "surgery: prune_heads" if fn is sinv_prune.prune_heads else "surgery: prune"
-        if fn is None or plan is None:
-            why = NEEDS_PRUNE if fn is None else "n/a (fewer than 4 layers)"
+        if plan is None:
+            why = "n/a (fewer than 4 layers)"
             rows.append(_row(label, name, why))
             speed_rows += [_row(kind, name, why) for kind in ("prefill", "decode")]
             continue
@@ -268,7 +266,6 @@ def run_figures(args, device: str, dtype: torch.dtype) -> tuple[list[dict], dict
         except Exception as err:
             rows.append(_row(f"criterion: {name}", workload, _err(err)))
         _free(device)
-    info["has_prune"] = prune is not None
     return rows + speed_rows, info
 
 
@@ -331,8 +328,7 @@ def run(argv=None) -> int:
           f"{max(1, args.repeats // 2)} decode), median per-pair ratio", flush=True)  # fmt: skip
     t0 = time.perf_counter()
     rows, model_info = run_figures(args, device, dtype)
-    print(f"{model_info['parameters']:,} parameters; sinv_prune.prune "
-          f"{'present' if model_info['has_prune'] else 'absent: MLP and depth rows n/a'}")  # fmt: skip
+    print(f"{model_info['parameters']:,} parameters")
     if args.layers:
         print(f"note: {args.layers} of {SHAPES[args.shape]['num_hidden_layers']} layers built; surgery, measures "
               f"and criteria costs are per-layer sums: multiply by {SHAPES[args.shape]['num_hidden_layers']}/"

@@ -112,17 +112,16 @@ def num_heads(model) -> tuple[int, int]:
 
 def all_cuts(model) -> tuple[list[tuple[str, object, dict]], list[tuple[str, str]]]:
     """(cuts to run as (name, function, plan), cuts skipped as (name, why)): head cuts by ``prune_heads``,
-    MLP width and depth by ``sinv_prune.prune`` where it exists."""
+    MLP width and depth by ``sinv_prune.prune``."""
+    import sinv_prune
+
     run = [(name, prune_heads, plan) for name, plan in cuts(model)]
     skipped = []
-    prune = common.prune_function()
     for name, plan in common.structure_plans(model):
-        if prune is None:
-            skipped.append((name, common.NEEDS_PRUNE))
-        elif plan is None:
+        if plan is None:
             skipped.append((name, "n/a (fewer than 4 layers)"))
         else:
-            run.append((name, prune, plan))
+            run.append((name, sinv_prune.prune, plan))
     return run, skipped
 
 

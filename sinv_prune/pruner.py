@@ -574,10 +574,10 @@ def _rounds(value) -> int:
 
 
 def _kept_original(model: nn.Module) -> list[list[int]]:
-    """Per layer, the original (record) index of each head the model has now."""
+    """Per current layer, the original (record) index of each head the model has now."""
     record = get_record(model.config)
     if record is not None:
-        return [record.kept_heads(layer) for layer in range(record.num_layers)]
+        return [record.kept_heads(layer) for layer in record.kept_layers()]
     return [list(range(lay.num_heads)) for lay in model_layouts(model)]
 
 

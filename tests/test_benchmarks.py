@@ -216,18 +216,14 @@ def test_bench_speed_quick(tmp_path, capsys, common):
     skipped = {(s["shape"], s["cut"]) for s in result["skipped_cuts"]}
     structural = {(shape, cut) for shape in ("gpt2-small", "smollm2-135m", "llama7b-2layers")
                   for cut in ("MLP width 25%", "depth 25%")}  # fmt: skip
-    if common.prune_function() is None:
-        assert skipped == structural and out.count("n/a (needs sinv_prune.prune)") == 6
-    else:  # quick llama7b-2layers has a single layer: no depth cut
-        assert skipped == {("llama7b-2layers", "depth 25%")}
+    # quick gpt2-small (2 layers) and llama7b-2layers (1 layer) are too shallow for a depth cut
+    assert skipped == {("gpt2-small", "depth 25%"), ("llama7b-2layers", "depth 25%")}
+    assert structural - skipped <= {(r["shape"], r["cut"]) for r in rows}
 
 
-def test_bench_speed_structural_cuts(tmp_path, capsys, common, monkeypatch):
-    """With ``sinv_prune.prune`` (a stand-in until the real one is merged) the MLP and depth cuts are timed
-    and held against their FLOP prediction like the head cuts."""
-    import sinv_prune
-
-    monkeypatch.setattr(sinv_prune, "prune", _stand_in_prune, raising=False)
+def test_bench_speed_structural_cuts(tmp_path, capsys, common):
+    """The MLP and depth cuts (``sinv_prune.prune``) are timed and held against their FLOP prediction like the
+    head cuts."""
     argv = ["--quick", "--shapes", "smollm2-135m", "--repeats", "1", "--gen-repeats", "1",
             "--json", str(tmp_path / "s.json")]  # fmt: skip
     result, out = _run("bench_speed", argv, capsys)
@@ -279,46 +275,8 @@ def test_bench_recovery_quick(tmp_path, capsys, common):
     _png(tmp_path / "r.png")
 
 
-def _stand_in_prune(model, plan: dict) -> None:
-    """A minimal ``sinv_prune.prune`` for a LLaMA: heads via prune_heads, MLP channels and layers sliced here."""
-    import torch
-    from torch import nn
-
-    import sinv_prune
-
-    if plan.get("heads"):
-        sinv_prune.prune_heads(model, plan["heads"])
-    layers = model.model.layers
-    with torch.no_grad():
-        for layer, channels in plan.get("mlp", {}).items():
-            mlp = layers[layer].mlp
-            keep = torch.tensor([c for c in range(mlp.gate_proj.out_features) if c not in set(channels)])
-            for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
-                old = getattr(mlp, name)
-                weight = old.weight.index_select(dim, keep)
-                new = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
-                new.weight.copy_(weight)
-                setattr(mlp, name, new)
-    drop = set(plan.get("layers", []))
-    if drop:
-        model.model.layers = nn.ModuleList(m for i, m in enumerate(layers) if i not in drop)
-        for i, block in enumerate(model.model.layers):
-            block.self_attn.layer_idx = i
-        model.config.num_hidden_layers = len(model.model.layers)
-        if getattr(model.config, "layer_types", None):
-            model.config.layer_types = [t for i, t in enumerate(model.config.layer_types) if i not in drop]
-
-
-@pytest.mark.parametrize("with_prune", [False, True], ids=["no-prune", "stand-in-prune"])
-def test_bench_scale_cpu_tiny(tmp_path, capsys, common, monkeypatch, with_prune):
-    """bench_scale on the CPU with the tiny shape: one table with every figure's row; with ``sinv_prune.prune``
-    (a stand-in here until the real one is merged) the MLP and depth rows are measured, else they say n/a."""
-    import sinv_prune
-
-    if with_prune:
-        monkeypatch.setattr(sinv_prune, "prune", _stand_in_prune, raising=False)
-    else:
-        monkeypatch.delattr(sinv_prune, "prune", raising=False)
+def test_bench_scale_cpu_tiny(tmp_path, capsys, common):
+    """bench_scale on the CPU with the tiny shape: one table with every figure's row, MLP and depth cuts measured."""
     argv = ["--device", "cpu", "--shape", "tiny", "--json", str(tmp_path / "scale.json")]
     result, out = _run("bench_scale", argv, capsys)
     _header(out, "bench_scale", argv)
@@ -333,17 +291,13 @@ def test_bench_scale_cpu_tiny(tmp_path, capsys, common, monkeypatch, with_prune)
     assert result["table"] in out and out.count("| figure ") == 1  # one table
     for r in rows:
         assert not r["time"].startswith("failed"), r
-        if r["figure"] in ("prefill", "decode") and (with_prune or r["cut"].startswith("heads")):
+        if r["figure"] in ("prefill", "decode"):
             measured, predicted = float(r["measured"].rstrip("x")), float(r["predicted"].rstrip("x"))
             assert measured > 0 and predicted > 1 and r["ratio"].endswith("%")
-        elif r["cut"] in cuts[2:] and not with_prune:
-            assert r["time"] == "n/a (needs sinv_prune.prune)"
         else:
             assert r["time"].endswith(" s") and r["peak"] == "n/a (CPU)"
-    if with_prune:
-        assert result["model"]["has_prune"] is True
-        depth = next(r for r in rows if r["figure"] == "prefill" and r["cut"] == "depth 25%")
-        assert float(depth["predicted"].rstrip("x")) > 1.2  # 1 of 4 layers gone: most of the FLOPs
+    depth = next(r for r in rows if r["figure"] == "prefill" and r["cut"] == "depth 25%")
+    assert float(depth["predicted"].rstrip("x")) > 1.2  # 1 of 4 layers gone: most of the FLOPs
 
 
 @pytest.mark.gpu

@@ -405,7 +405,6 @@ def identity_blocks(model, layers: list[int]) -> list:
     return [blocks[i].register_forward_hook(hook, with_kwargs=True) for i in layers]
 
 
-@pytest.mark.skipif(not hasattr(surgery, "prune"), reason="needs surgery.prune (merge)")
 @pytest.mark.parametrize("which", ["llama", "gpt2"])
 def test_mixed_prune_equals_the_masked_reference(which):
     model = tiny_model(which)
@@ -437,3 +436,17 @@ def test_mixed_prune_equals_the_masked_reference(which):
         for hook in hooks:
             hook.remove()
     torch.testing.assert_close(model_output(model, inputs), expected)
+
+
+def test_rounds_after_layer_removal_number_heads_by_the_current_layers():
+    """A model that lost a block and some heads earlier: rounds map current layers to the record's kept layers."""
+    model = tiny_model("llama")
+    surgery.prune(model, {"heads": {2: [0, 3]}, "layers": [1]})  # current layer 1 is original layer 2
+    with torch.no_grad():  # magnitude then cuts current layer 1, where original and current numbers differ
+        model.model.layers[1].self_attn.o_proj.weight.mul_(1e-3)
+    record = get_record(model.config)
+    kept_at_start = [record.kept_heads(layer) for layer in record.kept_layers()]
+    summary = HeadPruner("magnitude", 4, rounds=2, mode="global").prune(model)
+    assert summary.heads_removed == 4 and 1 in [c.layer for c in summary.layers]
+    for change in summary.layers:  # "removed" is numbered as the layer was before the first round
+        assert [kept_at_start[change.layer][h] for h in change.removed] == change.removed_original
