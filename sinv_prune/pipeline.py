@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from tqdm.auto import tqdm
 
 from sinv_prune import data as data_mod
 from sinv_prune.checkpoint import from_pretrained
-from sinv_prune.criteria import Criterion
+from sinv_prune.criteria import Criterion, criterion_class, get_criterion
 from sinv_prune.evaluation import compare_speed, mlm_loss, parameter_breakdown, perplexity, speedup_fields
 from sinv_prune.preflight import build_model, is_masked_lm, preflight
 from sinv_prune.pruner import HeadPruner
@@ -255,27 +256,39 @@ def pruner_classes() -> tuple[type, type] | None:
     return Pruner, Part
 
 
+def part_criterion(part: PartSpec) -> Criterion:
+    """The criterion of one arm part, built by name (a ``seed`` it takes defaults to the part's seed)."""
+    cls = criterion_class(part.criterion)
+    options = dict(part.options)
+    if "seed" in inspect.signature(cls).parameters:
+        options.setdefault("seed", part.seed)
+    if part.unit != "heads":
+        options["unit"] = part.unit
+    return get_criterion(part.criterion, **options)
+
+
 def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None = None):
     """The pruner that scores, selects and removes what ``arm`` says; the one place arms become pruners.
 
-    ``criteria`` (one per part, None = by name) replaces a part's criterion, e.g. with the
-    :class:`StoredScores` of stage ``score``. A single-part heads arm gets a :class:`HeadPruner`;
-    MLP channels, layers and mixed cuts a ``Pruner`` of ``Part`` s (see :func:`pruner_classes`).
+    ``criteria`` (one per part; None: :func:`part_criterion`) replaces a part's criterion, e.g.
+    with the :class:`StoredScores` of stage ``score``. A single-part heads arm gets a
+    :class:`HeadPruner`; MLP channels, layers and mixed cuts a ``Pruner`` of ``Part`` s (see
+    :func:`pruner_classes`).
     """
     parts = arm.part_specs
-    criteria = list(criteria or [None] * len(parts))
+    given = criteria or [None] * len(parts)
+    criteria = [c if c is not None else part_criterion(p) for p, c in zip(parts, given, strict=True)]
     options = arm.compensate.prune_options() if arm.compensate else {}
     compensate = options.pop("compensate", None)
     if arm.heads_only:
-        part, given = parts[0], criteria[0]
+        part = parts[0]
         return HeadPruner(
-            given if given is not None else part.criterion,
+            criteria[0],
             part.amount,
             mode=part.mode,
             layout=part.layout,
             min_heads_per_layer=part.min_heads_per_layer,
             seed=part.seed,
-            criterion_options=None if given is not None else part.options,
             rounds=arm.rounds,
             compensate=compensate,
             compensation_options=options,
@@ -285,7 +298,7 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
         raise RunStageError(f"arm {arm.label}: {needs_prune_message(arm)}")
     Pruner, Part = classes
     built = []
-    for part, given in zip(parts, criteria, strict=True):
+    for part, criterion in zip(parts, criteria, strict=True):
         extra: dict[str, Any] = {}
         if part.unit == "heads":
             extra.update(layout=part.layout, min_per_layer=part.min_heads_per_layer)
@@ -294,17 +307,7 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
                 extra["multiple"] = part.multiple
             if part.min_channels_per_layer is not None:
                 extra["min_per_layer"] = part.min_channels_per_layer
-        built.append(
-            Part(
-                part.unit,
-                given if given is not None else part.criterion,
-                part.amount,
-                mode=part.mode,
-                criterion_options=None if given is not None else part.options,
-                seed=part.seed,
-                **extra,
-            )
-        )
+        built.append(Part(part.unit, criterion, part.amount, mode=part.mode, seed=part.seed, **extra))
     return Pruner(built, rounds=arm.rounds, compensate=compensate, compensation_options=options)
 
 
@@ -315,21 +318,12 @@ def needs_prune_message(arm: ArmSpec) -> str:
     return f"{what} needs sinv_prune.prune (not available in this build)"
 
 
-def _needs(pruner, attribute: str) -> bool:
-    """Whether any criterion of the pruner needs data / a trace."""
-    if isinstance(pruner, HeadPruner):
-        return getattr(pruner.criterion, attribute)
-    return any(getattr(p.criterion, attribute, False) for p in getattr(pruner, "parts", []))
-
-
-def _scoring_arm(part: PartSpec) -> ArmSpec:
-    if part.unit == "heads":
-        return ArmSpec(**{k: getattr(part, k) for k in part.model_fields_set | {"criterion", "amount"}})
-    return ArmSpec(parts=[part])
-
-
 def stage_score(run: Run) -> None:
-    """Score the base model with every criterion the arms' parts (and ``score.criteria``) use."""
+    """Score the base model with every criterion the arms' parts (and ``score.criteria``) use.
+
+    The criteria are the ones :func:`arm_pruner` gives the pruners (:func:`part_criterion`); the
+    scores go to ``scores.json``, from which stage ``prune`` selects (so ``resume`` does not re-score).
+    """
     path = run.root / "scores.json"
     if run.dir.done("score"):
         return
@@ -342,16 +336,13 @@ def stage_score(run: Run) -> None:
     for key, part in wanted.items():
         if part.criterion == "random":
             continue  # drawn per arm from the arm's seed
-        pruner = arm_pruner(run, _scoring_arm(part))
+        crit = part_criterion(part)
         start = time.perf_counter()
-        batches = _score_batches(run) if _needs(pruner, "needs_data") else None
-        trace = run.root / "trace.jsonl" if _needs(pruner, "needs_trace") else None
-        scores = pruner.score(run.base, batches, trace)
-        report = pruner.criterion.report() if isinstance(pruner, HeadPruner) else pruner.parts[0].criterion.report()
-        if not isinstance(pruner, HeadPruner):
-            scores = scores[0]  # one part
-        results[key] = {"scores": scores, "report": report, "seconds": time.perf_counter() - start}
-        logger.info("scored %s in %.1fs %s", key, results[key]["seconds"], report or "")
+        batches = _score_batches(run) if crit.needs_data else None
+        trace = run.root / "trace.jsonl" if crit.needs_trace else None
+        scores = crit.compute(run.base, batches=batches, trace=trace)
+        results[key] = {"scores": scores, "report": crit.report(), "seconds": time.perf_counter() - start}
+        logger.info("scored %s in %.1fs %s", key, results[key]["seconds"], crit.report() or "")
     write_json(path, results)
     run.dir.finish("score")
 
@@ -410,9 +401,10 @@ def stage_prune(run: Run) -> None:
         model = copy.deepcopy(run.base)
         calibration = _calibration_batches(run, arm.compensate) if arm.compensate else None
         if arm.rounds > 1:
-            pruner = arm_pruner(run, arm)
-            batches = list(_score_batches(run)) if _needs(pruner, "needs_data") else None
-            trace = run.root / "trace.jsonl" if _needs(pruner, "needs_trace") else None
+            criteria = [part_criterion(p) for p in arm.part_specs]
+            pruner = arm_pruner(run, arm, criteria)
+            batches = list(_score_batches(run)) if any(c.needs_data for c in criteria) else None
+            trace = run.root / "trace.jsonl" if any(c.needs_trace for c in criteria) else None
             summary = pruner.prune(model, batches=batches, trace=trace, calibration=calibration)
             state["rounds"] = pruner.last_rounds
         else:

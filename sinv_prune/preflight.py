@@ -202,15 +202,12 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
         _check_criterion(criterion_class, part.criterion, f"{where}.criterion")
         units = getattr(criterion_class(part.criterion), "units", ("heads",))
         if part.unit not in units:
-            raise RecipeError(
-                f"{where}.unit: criterion {part.criterion!r} scores {', '.join(units)}, not {part.unit}"
-            )
+            raise RecipeError(f"{where}.unit: criterion {part.criterion!r} scores {', '.join(units)}, not {part.unit}")
         if part.unit == "heads" and part.min_heads_per_layer == 0 and not recipe.prune.allow_empty_layers:
             raise RecipeError(
                 f"{where}.min_heads_per_layer: 0 lets layers lose every head; "
                 "set prune.allow_empty_layers: true to allow that (or keep min_heads_per_layer >= 1)"
             )
-    check_prune_available(recipe)
     for i, name in enumerate(recipe.score.criteria):
         _check_criterion(criterion_class, name, f"score.criteria[{i}]")
     check_teacher(recipe)
@@ -220,6 +217,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
     for where, part in arm_parts(recipe):
         check_amount(part, adapter, layouts, f"{where}.amount")
+    check_prune_available(recipe)
     return layouts
 
 
