@@ -333,3 +333,39 @@ def test_mlp_layer_and_mixed_arms_run_end_to_end(tmp_path):
         assert sinv_prune.count_parameters(model) == arm["params"] < results["baseline"]["params"]
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| 64 channels |" in report and "2 heads + 64 channels" in report
+
+
+def test_arm_pruner_maps_every_part_onto_the_pruner(monkeypatch):
+    """Heads arms get a HeadPruner; other arms one ``Part`` per part with the part's keys, the arm's rounds."""
+    made = {}
+
+    def part(unit, criterion, amount, **keys):
+        return {"unit": unit, "criterion": criterion, "amount": amount, **keys}
+
+    def pruner(parts, **keys):
+        made.update(parts=parts, **keys)
+        return "pruner"
+
+    monkeypatch.setattr(pipeline, "pruner_classes", lambda: (pruner, part))
+    arms = [
+        {"criterion": "magnitude", "amount": 2, "mode": "uniform", "layout": "kv_groups", "rounds": 2},
+        {"parts": [{"criterion": "magnitude", "amount": 2, "min_heads_per_layer": 0},
+                   {"criterion": "random", "unit": "mlp", "amount": 0.5, "multiple": 8, "seed": 3}],
+         "compensate": {"method": "lsq", "ridge": 0.1}, "rounds": 3},
+    ]  # fmt: skip
+    recipe = validate_recipe({**TINY, "prune": {"arms": arms, "allow_empty_layers": True}})
+    heads = pipeline.arm_pruner(None, recipe.prune.arms[0])
+    assert isinstance(heads, sinv_prune.HeadPruner) and heads.criterion.name == "magnitude"
+    assert (heads.amount, heads.mode, heads.layout, heads.rounds) == (2, "uniform", "kv_groups", 2)
+    stored = pipeline.StoredScores("magnitude", "heads", [[1.0, 2.0]], {"note": 1})
+    channels = pipeline.StoredScores("random", "mlp", [[0.5] * 4])  # by name only once criteria take a unit
+    assert pipeline.arm_pruner(None, recipe.prune.arms[1], [stored, channels]) == "pruner"
+    first, second = made["parts"]
+    assert first == {"unit": "heads", "criterion": stored, "amount": 2, "mode": "global", "seed": 0,
+                     "layout": "q_per_group", "min_per_layer": 0}  # fmt: skip
+    assert {k: second[k] for k in ("unit", "amount", "mode", "seed", "multiple")} == {
+        "unit": "mlp", "amount": 0.5, "mode": "global", "seed": 3, "multiple": 8}  # fmt: skip
+    assert second["criterion"] is channels and channels.units == ("mlp",) and "min_per_layer" not in second
+    assert (made["rounds"], made["compensate"]) == (3, "lsq")
+    assert made["compensation_options"] == {"add_bias": False, "ridge": 0.1}
+    assert stored.compute(None) == [[1.0, 2.0]] and stored.report() == {"note": 1}
