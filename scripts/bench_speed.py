@@ -51,8 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench_common as common  # noqa: E402
 
-from sinv_prune import count_parameters, get_adapter, get_criterion, prune_heads, select_heads  # noqa: E402
+from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
 from sinv_prune.evaluation import compare_speed  # noqa: E402
+from sinv_prune.pipeline import StoredScores  # noqa: E402
 
 MiB = 2**20
 
@@ -94,21 +95,21 @@ def build(family: str, kwargs: dict, seed: int):
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def cuts(model) -> list[tuple[str, dict[int, list[int]]]]:
+def cuts(model) -> list[tuple[str, HeadPruner]]:
+    """The speed cuts as pruners over one set of random scores (layout ``auto`` / uniform shapes per GQA)."""
     adapter = get_adapter(model)
     lays = [adapter.layout(i) for i in range(adapter.num_layers)]
-    scores = get_criterion("random", seed=0).scores(model)
-    out = [(name, select_heads(scores, amount, layouts=lays, mode="global", layout="auto")) for name, amount in
+    scores = StoredScores("random", "heads", HeadPruner("random", 0).score(model))
+    out = [(name, HeadPruner(scores, amount, mode="global", layout="auto")) for name, amount in
            (("25%", 0.25), ("50%", 0.50))]  # fmt: skip
     g, h = lays[0].group_size, lays[0].num_heads
     if g == 1:
         per_layer = h // 3
-        plan = select_heads(scores, per_layer * len(lays), layouts=lays, mode="uniform")
-        out.append((f"uniform {per_layer}/{h}", plan))
+        out.append((f"uniform {per_layer}/{h}", HeadPruner(scores, per_layer * len(lays), mode="uniform")))
     else:
         kv = lays[0].num_kv_heads
-        one_q = select_heads(scores, kv * len(lays), layouts=lays, mode="uniform", layout="q_per_group", exact=True)
-        one_kv = select_heads(scores, g * len(lays), layouts=lays, mode="uniform", layout="kv_groups", exact=True)
+        one_q = HeadPruner(scores, kv * len(lays), mode="uniform", layout="q_per_group", exact=True)
+        one_kv = HeadPruner(scores, g * len(lays), mode="uniform", layout="kv_groups", exact=True)
         out += [(f"uniform {kv}/{h} (1 q/group)", one_q), (f"uniform {g}/{h} (1 KV group)", one_kv)]
     return out
 
@@ -252,9 +253,9 @@ def run(argv=None) -> int:
               f"{(f0['projections'] + f0['attention']) / f0['total']:.1%} of forward FLOPs", flush=True)  # fmt: skip
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(1, base.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
-        for cut, plan in cuts(base):
+        for cut, pruner in cuts(base):
             pruned = copy.deepcopy(base)
-            summary = prune_heads(pruned, plan)
+            summary = pruner.prune(pruned)
             f1 = common.forward_flops(pruned, args.batch, args.seq_len)
             fwd = compare_speed(base, pruned, batch_size=args.batch, seq_len=args.seq_len, repeats=args.repeats,
                                 warmup=args.warmup, device=device)  # fmt: skip
