@@ -299,6 +299,12 @@ _HEADS_ONLY = ("layout", "min_heads_per_layer")
 _MLP_ONLY = ("multiple", "min_channels_per_layer")
 
 
+def _given(model: BaseModel, keys: tuple[str, ...]) -> list[str]:
+    """The ``keys`` set on ``model`` to something other than their default (a resolved recipe repeats defaults)."""
+    default = {k: f.get_default(call_default_factory=True) for k, f in type(model).model_fields.items()}
+    return [k for k in keys if k in model.model_fields_set and getattr(model, k) != default[k]]
+
+
 def _positive_amount(v):
     if isinstance(v, bool) or v <= 0:
         raise ValueError("amount must be a positive count or a fraction in (0, 1)")
@@ -332,15 +338,10 @@ class PartSpec(Strict):
 
     @model_validator(mode="after")
     def _keys_fit_the_unit(self):
-        given = self.model_fields_set
-        if self.unit != "heads":
-            for key in _HEADS_ONLY:
-                if key in given:
-                    raise ValueError(f"{key!r} is for unit heads only, not {self.unit}")
-        if self.unit != "mlp":
-            for key in _MLP_ONLY:
-                if key in given and getattr(self, key) is not None:
-                    raise ValueError(f"{key!r} is for unit mlp only, not {self.unit}")
+        if self.unit != "heads" and _given(self, _HEADS_ONLY):
+            raise ValueError(f"{_given(self, _HEADS_ONLY)[0]!r} is for unit heads only, not {self.unit}")
+        if self.unit != "mlp" and _given(self, _MLP_ONLY):
+            raise ValueError(f"{_given(self, _MLP_ONLY)[0]!r} is for unit mlp only, not {self.unit}")
         if self.unit == "layers" and self.mode != "global":
             raise ValueError(f"unit layers takes mode 'global' only, not {self.mode!r}")
         return self
@@ -396,7 +397,7 @@ class ArmSpec(Strict):
     @model_validator(mode="after")
     def _one_form(self):
         if self.parts is not None:
-            mixed = [k for k in PART_KEYS if k in self.model_fields_set]
+            mixed = _given(self, PART_KEYS)
             if mixed:
                 raise ValueError(f"give either 'parts' or the single-part keys, not both (got {', '.join(mixed)})")
             return self

@@ -304,3 +304,14 @@ def test_mlp_layer_and_mixed_arms_are_refused_without_sinv_prune_prune(any_unit_
             preflight(recipe)
         assert str(err.value) == f"prune.arms[1].{key}: {what} needs sinv_prune.prune (not available in this build)"
     preflight(validate_recipe(GOOD))  # heads arms run as before
+
+
+def test_the_resolved_recipe_of_unit_and_mixed_arms_loads_again(tmp_path):
+    """recipe.yaml repeats every default (layout on an MLP arm, unit on a mixed one): it must still validate."""
+    from sinv_prune.recipe import recipe_to_yaml
+
+    arms = [{"criterion": "taylor", "unit": "mlp", "amount": 0.25, "multiple": 8}, MIXED]
+    recipe = validate_recipe(with_change("prune.arms", arms))
+    again = load_recipe(write(tmp_path, recipe_to_yaml(recipe)))
+    assert [a.label for a in again.prune.arms] == [a.label for a in recipe.prune.arms]
+    assert again.prune.arms[1].part_specs == recipe.prune.arms[1].part_specs
