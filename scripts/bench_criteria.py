@@ -47,9 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as common  # noqa: E402
 
 import sinv_prune  # noqa: E402
-from sinv_prune import count_parameters, get_adapter, get_criterion, prune_heads, select_heads  # noqa: E402
+from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
 from sinv_prune.data import token_ids  # noqa: E402
 from sinv_prune.evaluation import perplexity  # noqa: E402
+from sinv_prune.pipeline import StoredScores  # noqa: E402
 
 #: (label, registry name, options); random gets one arm per seed.
 CRITERIA = [
@@ -224,10 +225,11 @@ def structure(plan: dict[int, list[int]], model) -> dict:
     return {"removed": sum(len(h) for h in plan.values()), "kv_removed": kv, "layers_touched": len(plan)}
 
 
-def run_arm(base, plan, test_ids, ft_blocks, args, device) -> dict:
+def run_arm(base, pruner: HeadPruner | None, test_ids, ft_blocks, args, device) -> dict:
+    """A fresh copy of ``base`` cut by ``pruner`` (None: the unpruned baseline), evaluated and fine-tuned."""
     model = copy.deepcopy(base)
     start = time.perf_counter()
-    summary = prune_heads(model, plan) if plan else None
+    summary = pruner.prune(model) if pruner else None
     before = ppl(model, test_ids, args, device)
     losses = finetune(model, ft_blocks, args, device) if args.finetune_steps else []
     after = ppl(model, test_ids, args, device) if args.finetune_steps else math.nan
@@ -387,7 +389,7 @@ def run(argv=None) -> int:
     )
     print(flush=True)
 
-    baseline = run_arm(base, {}, test_ids, ft_blocks, args, device)
+    baseline = run_arm(base, None, test_ids, ft_blocks, args, device)
     baseline = {"params": baseline["params"], "ppl": baseline["ppl_pruned"], "ppl_finetuned": baseline["ppl_finetuned"],
                 "finetune_losses": baseline["finetune_losses"]}  # fmt: skip
     if args.autocast == "bf16":  # what autocast changes, on the unpruned model
@@ -403,11 +405,11 @@ def run(argv=None) -> int:
     scorers += [(label, name, opts, None) for label, name, opts in CRITERIA]
     scores, reports = {}, {}
     for label, name, opts, seed in scorers:
-        crit = get_criterion(name, **opts)
+        scorer = HeadPruner(name, 0, criterion_options=opts)
         t0 = time.perf_counter()
-        scores[label, seed] = crit.compute(base, batches)
+        scores[label, seed] = scorer.score(base, batches)
         reports[label if seed is None else f"{label}_seed{seed}"] = {
-            **crit.report(),
+            **scorer.criterion.report(),
             "options": opts,
             "seconds": round(time.perf_counter() - t0, 2),
         }
@@ -415,23 +417,26 @@ def run(argv=None) -> int:
     cuts = [(f"{a:.0%}", a, "global") for a in args.amounts] + ([] if args.no_uniform else [(UNIFORM, None, "uniform")])
     results, uniform_mode = [], {}
     for (label, seed), s in scores.items():
+        stored = StoredScores(label, "heads", s)
         for cut, amount, mode in cuts:
             if mode == "global":
                 requested = math.floor(amount * total_heads + 0.5)
+                pruner = HeadPruner(stored, requested, mode="global", layout="auto", seed=seed or 0)
                 try:
-                    plan = select_heads(s, requested, layouts=layouts, mode="global", layout="auto", seed=seed or 0)
+                    plan = pruner.select(base)
                 except ValueError as err:
                     print(f"  {label} {cut}: cannot select ({err})")
                     continue
             else:
                 requested = sum(lay.num_kv_heads for lay in layouts)
-                plan = select_heads(s, requested, layouts=layouts, mode="uniform", layout="q_per_group", seed=seed or 0)
+                pruner = HeadPruner(stored, requested, mode="uniform", layout="q_per_group", seed=seed or 0)
+                plan = pruner.select(base)
                 # What layout="auto" (the cheapest shape by rank) would have removed instead (reported only).
-                uni = select_heads(s, requested, layouts=layouts, mode="uniform", layout="auto", seed=seed or 0)
+                uni = HeadPruner(stored, requested, mode="uniform", layout="auto", seed=seed or 0).select(base)
                 uniform_mode[label if seed is None else f"{label}_seed{seed}"] = structure(uni, base)
             arm = {"criterion": label, "seed": seed, "cut": cut, "mode": mode, "requested": requested,
                    **structure(plan, base), "selection": {str(k): v for k, v in plan.items()}}  # fmt: skip
-            arm.update(run_arm(base, plan, test_ids, ft_blocks, args, device))
+            arm.update(run_arm(base, pruner, test_ids, ft_blocks, args, device))
             results.append(arm)
             tag = label + (f" seed {seed}" if seed is not None else "")
             print(f"  {tag:<18} {cut:<12} removed {arm['removed']:>3} ({arm['kv_removed']} KV)  ppl "

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench_common as common  # noqa: E402
 
-from sinv_prune import count_parameters, get_criterion, prune_heads, select_heads, stop_rule, track  # noqa: E402
+from sinv_prune import HeadPruner, count_parameters, prune_heads, stop_rule, track  # noqa: E402
 from sinv_prune.data import token_ids, train_tokenizer  # noqa: E402
 from sinv_prune.evaluation import perplexity  # noqa: E402
 from sinv_prune.tracking import rule_max  # noqa: E402
@@ -290,14 +290,13 @@ def prune_arms(run, best_epoch: int, streams, tokenizer, args, device, seed: int
     arms += [("random", {"seed": 1000 * seed + s}, s) for s in range(args.random_prune_seeds)]
     out = []
     for name, opts, rseed in arms:
-        crit = get_criterion(name, **opts)
-        scores = crit.compute(base, batches)
-        plan = select_heads(scores, args.prune, layouts=base, mode="global", seed=rseed or 0)
+        pruner = HeadPruner(name, args.prune, mode="global", seed=rseed or 0, criterion_options=opts)
         model = copy.deepcopy(base)
-        summary = prune_heads(model, plan)
+        summary = pruner.prune(model, batches)
+        plan = pruner.last_selection
         ppl = perplexity(model, streams["test"], seq_len=args.seq_len, batch_size=64, device=device,
                          progress=False)["perplexity"]  # fmt: skip
-        report = crit.report()
+        report = pruner.criterion.report()
         out.append({"criterion": name, "random_seed": rseed, "removed": summary.heads_removed,
                     "selection": {str(k): v for k, v in plan.items()}, "params_before": summary.params_before,
                     "params_after": summary.params_after, "test_ppl": ppl,

@@ -52,9 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as common  # noqa: E402
 from bench_criteria import stream, tiny_stand_in  # noqa: E402
 
-from sinv_prune import HeadPruner, count_parameters, get_adapter, get_criterion, prune_heads, select_heads  # noqa: E402
+from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
 from sinv_prune.data import lm_blocks  # noqa: E402
 from sinv_prune.evaluation import perplexity  # noqa: E402
+from sinv_prune.pipeline import StoredScores  # noqa: E402
 from sinv_prune.recipe import FinetuneSpec  # noqa: E402
 from sinv_prune.training import run_trainer  # noqa: E402
 
@@ -193,21 +194,29 @@ class Bench:
     def fresh(self):
         return copy.deepcopy(self.base).requires_grad_(True).eval()
 
-    def select(self, scores, cut: str) -> dict[int, list[int]]:
+    def pruner(self, criterion, cut: str, comp: str = "none", **keys) -> HeadPruner:
+        """The cut as a ``HeadPruner`` (``criterion``: a name or scores as a criterion) compensating with ``comp``."""
         total = sum(lay.num_heads for lay in self.layouts)
         if cut == GLOBAL:
-            return select_heads(scores, math.floor(0.10 * total + 0.5), layouts=self.layouts, mode="global",
-                                layout="q_per_group", seed=self.args.seed)  # fmt: skip
-        amount = sum(lay.num_kv_heads for lay in self.layouts)
-        return select_heads(scores, amount, layouts=self.layouts, mode="uniform", layout="q_per_group",
-                            seed=self.args.seed)  # fmt: skip
+            keys = {"amount": math.floor(0.10 * total + 0.5), "mode": "global", **keys}
+        else:
+            keys = {"amount": sum(lay.num_kv_heads for lay in self.layouts), "mode": "uniform", **keys}
+        if isinstance(criterion, str):
+            keys["criterion_options"] = OPTIONS.get(criterion)
+        if comp != "none":
+            keys.update(compensate=comp, compensation_options={"add_bias": comp == "bias"})
+        amount = keys.pop("amount")
+        return HeadPruner(criterion, amount, layout="q_per_group", seed=self.args.seed, **keys)
 
-    def prune(self, model, heads, comp: str) -> dict:
-        """``prune_heads`` with compensation ``comp``; wall time, compensation time and added peak memory."""
-        kwargs = {} if comp == "none" else {"calibration": self.calib, "compensate": comp, "add_bias": comp == "bias"}
+    def select(self, scores, cut: str) -> dict[int, list[int]]:
+        return self.pruner(StoredScores("scores", "heads", scores), cut).select(self.base)
+
+    def prune(self, model, scores, cut: str, comp: str) -> dict:
+        """The cut from ``scores`` with compensation ``comp``; wall time, compensation time and added peak memory."""
+        pruner = self.pruner(StoredScores("scores", "heads", scores), cut, comp)
         with PeakMemory(self.device) as mem:
             start = time.perf_counter()
-            summary = prune_heads(model, heads, **kwargs)
+            summary = pruner.prune(model, calibration=None if comp == "none" else self.calib)
             wall = time.perf_counter() - start
         out = {"heads_removed": summary.heads_removed, "params": summary.params_after, "prune_s": round(wall, 2)}
         if summary.compensation is not None:
@@ -237,53 +246,23 @@ class Bench:
         return {"steps": out.global_step, "train_loss": round(out.training_loss, 4)}
 
     def iterative(self, model, criterion: str, cut: str, comp: str) -> dict:
-        """``--rounds`` rounds to the cut's total, re-scoring the pruned model before each round.
+        """``--rounds`` rounds to the cut's total as one global ``HeadPruner(rounds=k, compensate=comp)``.
 
-        Without compensation this is ``HeadPruner(rounds=k)``; with it, each round is one ``HeadPruner``
-        selection on the current model followed by ``prune_heads(..., compensate=comp)``, since compensation
-        runs inside ``prune_heads`` and so cannot be added between HeadPruner's own rounds.
+        Each round re-scores the pruned model (the total is the number of heads the one-shot cut
+        removes); with compensation every round's removal is compensated.
         """
-        total = sum(map(len, self.select(get_criterion(criterion, **OPTIONS.get(criterion, {})).compute(
-            self.base, self.score_batches), cut).values()))  # fmt: skip
-        rounds, removed, comps = [], 0, []
+        scores = HeadPruner(criterion, 0, criterion_options=OPTIONS.get(criterion)).score(self.base, self.score_batches)
+        total = sum(map(len, self.select(scores, cut).values()))
+        pruner = self.pruner(criterion, cut, comp, amount=total, mode="global", rounds=self.args.rounds)
         start = time.perf_counter()
-        if comp == "none":
-            pruner = HeadPruner(criterion, total, mode="global", layout="q_per_group", seed=self.args.seed,
-                                criterion_options=OPTIONS.get(criterion), rounds=self.args.rounds)  # fmt: skip
-            summary = pruner.prune(model, self.score_batches)
-            rounds = [r["heads_removed"] for r in pruner.last_rounds]
-            out = {"heads_removed": summary.heads_removed, "params": summary.params_after}
-        else:
-            for index in range(self.args.rounds):
-                left = total - removed
-                if left <= 0:
-                    break
-                pruner = HeadPruner(criterion, 0, mode="global", layout="q_per_group", seed=self.args.seed,
-                                    criterion_options=OPTIONS.get(criterion))  # fmt: skip
-                heads = self.round_heads(model, pruner.score(model, self.score_batches), left, index)
-                if not heads:
-                    break
-                step = self.prune(model, heads, comp)
-                rounds.append(step["heads_removed"])
-                comps.append(step["compensation"]["seconds"])
-                removed += step["heads_removed"]
-            out = {"heads_removed": removed, "params": count_parameters(model)}
-        out.update(rounds=rounds, prune_s=round(time.perf_counter() - start, 2))
+        summary = pruner.prune(model, self.score_batches, calibration=None if comp == "none" else self.calib)
+        out = {"heads_removed": summary.heads_removed, "params": summary.params_after,
+               "rounds": [r["heads_removed"] for r in pruner.last_rounds],
+               "prune_s": round(time.perf_counter() - start, 2)}  # fmt: skip
+        comps = [round(r["compensation"]["seconds"], 2) for r in pruner.last_rounds if r["compensation"]]
         if comps:
             out["compensation"] = {"seconds": round(sum(comps), 2), "per_round_s": comps}
         return out
-
-    def round_heads(self, model, scores, left: int, index: int) -> dict[int, list[int]]:
-        """HeadPruner's rule for one round: the smallest valid global cut of at least ``ceil(left / rounds left)``."""
-        share = -(-left // (self.args.rounds - index))
-        layouts = [get_adapter(model).layout(i) for i in range(len(self.layouts))]
-        for request in range(share, left + 1):
-            try:
-                return select_heads(scores, request, layouts=layouts, mode="global", layout="q_per_group",
-                                    seed=self.args.seed, exact=True)  # fmt: skip
-            except ValueError:
-                continue
-        return {}
 
 
 def over_budget(args, t_start: float) -> bool:
@@ -303,7 +282,7 @@ def one_shot_rows(bench: Bench, scores: dict, cut: str, keep: dict) -> list[dict
         for comp in bench.args.compensations:
             start = time.perf_counter()
             model = bench.fresh()
-            pruned = bench.prune(model, heads, comp)
+            pruned = bench.prune(model, scores[criterion], cut, comp)
             value = ppl(model, bench.test_ids, bench.args, bench.device)
             r = row(cut, criterion, comp, "one-shot", pruned, value, "unpruned", time.perf_counter() - start,
                     layers_touched=len(heads), per_layer=sorted({len(h) for h in heads.values()}))  # fmt: skip
@@ -524,8 +503,8 @@ def run(argv=None) -> int:
     scores, score_s = {}, {}
     for criterion in args.criteria:
         start = time.perf_counter()
-        crit = get_criterion(criterion, **OPTIONS.get(criterion, {}))
-        scores[criterion] = crit.compute(base, bench.score_batches)
+        scorer = HeadPruner(criterion, 0, criterion_options=OPTIONS.get(criterion))
+        scores[criterion] = scorer.score(base, bench.score_batches)
         score_s[criterion] = round(time.perf_counter() - start, 2)
     print(f"  scores: {', '.join(f'{k} {v:.1f} s' for k, v in score_s.items())}", flush=True)
 

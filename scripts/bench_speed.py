@@ -45,10 +45,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,8 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench_common as common  # noqa: E402
 
-from sinv_prune import count_parameters, get_adapter, get_criterion, prune_heads, select_heads  # noqa: E402
+from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
 from sinv_prune.evaluation import compare_speed  # noqa: E402
+from sinv_prune.pipeline import StoredScores  # noqa: E402
 
 MiB = 2**20
 
@@ -110,36 +113,36 @@ def num_heads(model) -> tuple[int, int]:
     return sum(lay.num_heads for lay in lays), sum(lay.num_kv_heads for lay in lays)
 
 
-def all_cuts(model) -> tuple[list[tuple[str, object, dict]], list[tuple[str, str]]]:
-    """(cuts to run as (name, function, plan), cuts skipped as (name, why)): head cuts by ``prune_heads``,
-    MLP width and depth by ``sinv_prune.prune``."""
+def all_cuts(model) -> tuple[list[tuple[str, Callable]], list[tuple[str, str]]]:
+    """(cuts to run as (name, function pruning a model in place), cuts skipped as (name, why)): head cuts by
+    pruners, MLP width and depth by ``sinv_prune.prune`` plans."""
     import sinv_prune
 
-    run = [(name, prune_heads, plan) for name, plan in cuts(model)]
+    run = [(name, pruner.prune) for name, pruner in cuts(model)]
     skipped = []
     for name, plan in common.structure_plans(model):
         if plan is None:
             skipped.append((name, "n/a (fewer than 4 layers)"))
         else:
-            run.append((name, sinv_prune.prune, plan))
+            run.append((name, functools.partial(sinv_prune.prune, plan=plan)))
     return run, skipped
 
 
-def cuts(model) -> list[tuple[str, dict[int, list[int]]]]:
+def cuts(model) -> list[tuple[str, HeadPruner]]:
+    """The head cuts as pruners over one set of random scores (layout ``auto`` / uniform shapes per GQA)."""
     adapter = get_adapter(model)
     lays = [adapter.layout(i) for i in range(adapter.num_layers)]
-    scores = get_criterion("random", seed=0).scores(model)
-    out = [(name, select_heads(scores, amount, layouts=lays, mode="global", layout="auto")) for name, amount in
+    scores = StoredScores("random", "heads", HeadPruner("random", 0).score(model))
+    out = [(name, HeadPruner(scores, amount, mode="global", layout="auto")) for name, amount in
            (("25%", 0.25), ("50%", 0.50))]  # fmt: skip
     g, h = lays[0].group_size, lays[0].num_heads
     if g == 1:
         per_layer = h // 3
-        plan = select_heads(scores, per_layer * len(lays), layouts=lays, mode="uniform")
-        out.append((f"uniform {per_layer}/{h}", plan))
+        out.append((f"uniform {per_layer}/{h}", HeadPruner(scores, per_layer * len(lays), mode="uniform")))
     else:
         kv = lays[0].num_kv_heads
-        one_q = select_heads(scores, kv * len(lays), layouts=lays, mode="uniform", layout="q_per_group", exact=True)
-        one_kv = select_heads(scores, g * len(lays), layouts=lays, mode="uniform", layout="kv_groups", exact=True)
+        one_q = HeadPruner(scores, kv * len(lays), mode="uniform", layout="q_per_group", exact=True)
+        one_kv = HeadPruner(scores, g * len(lays), mode="uniform", layout="kv_groups", exact=True)
         out += [(f"uniform {kv}/{h} (1 q/group)", one_q), (f"uniform {g}/{h} (1 KV group)", one_kv)]
     return out
 
@@ -286,9 +289,9 @@ def run(argv=None) -> int:
         run_cuts, skipped_cuts = all_cuts(base)
         skipped += [{"shape": name, "cut": cut, "why": why} for cut, why in skipped_cuts]
         heads_before, kv_before = num_heads(base)
-        for cut, prune_fn, plan in run_cuts:
+        for cut, prune_fn in run_cuts:
             pruned = copy.deepcopy(base)
-            prune_fn(pruned, plan)
+            prune_fn(pruned)
             heads_after, kv_after = num_heads(pruned)
             f1 = common.forward_flops(pruned, args.batch, args.seq_len)
             fwd = compare_speed(base, pruned, batch_size=args.batch, seq_len=args.seq_len, repeats=args.repeats,

@@ -146,7 +146,8 @@ def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str
             click.echo(f"  {name}: {spec.optimizer}, learning_rate {spec.learning_rate:g}, lr_scheduler "
                        f"{spec.lr_scheduler}, optimizer_args {spec.optimizer_args}")  # fmt: skip
     for arm in recipe.prune.arms:
-        click.echo(f"  arm {arm.label}: {arm.criterion}, amount {arm.amount}, {arm.mode}")
+        what = "; ".join(f"{p.criterion} {p.unit}, amount {p.amount}, {p.mode}" for p in arm.part_specs)
+        click.echo(f"  arm {arm.label}: {what}")
     _print_estimate(recipe, device, config_s, threads)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         click.echo(f"warning: {output} exists; the run needs --overwrite (start again) or --resume (continue it)")

@@ -291,7 +291,7 @@ def _trainer_import_s() -> float:
 
 
 def _needs_measures(recipe: Recipe) -> bool:
-    criteria = [a.criterion for a in recipe.prune.arms] + list(recipe.score.criteria)
+    criteria = [p.criterion for a in recipe.prune.arms for p in a.part_specs] + list(recipe.score.criteria)
     return "sinv_static" in criteria or any(s.tracking is not None for s in _trainer_specs(recipe))
 
 
@@ -380,7 +380,7 @@ def _prune_row(recipe: Recipe, arm, probe: Probe, tokens: dict[str, int], copy_s
         seconds += arm.rounds * COMPENSATION_FORWARDS[arm.compensate.method] * probe.forward(calibration)
         what += f"; {arm.compensate.method} compensation on {calibration:,} tokens"
     if arm.rounds > 1:
-        rescore = _score_seconds(arm.criterion, recipe, probe, tokens)[0]
+        rescore = sum(_score_seconds(p.criterion, recipe, probe, tokens)[0] for p in arm.part_specs)
         seconds += (arm.rounds - 1) * rescore
         what += f"; {arm.rounds} rounds, re-scored {arm.rounds - 1}x"
     return Row(f"prune {arm.label}", seconds, what)
@@ -447,7 +447,8 @@ def _score_rows(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> list[Ro
 
     wanted = {name: name for name in recipe.score.criteria}
     for arm in recipe.prune.arms:
-        wanted.setdefault(criterion_key(arm), arm.criterion)
+        for part in arm.part_specs:
+            wanted.setdefault(criterion_key(part), part.criterion)
     rows = []
     for key, name in wanted.items():
         if name == "random" or criterion_class(name).needs_trace:

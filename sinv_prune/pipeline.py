@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from tqdm.auto import tqdm
 
 from sinv_prune import data as data_mod
 from sinv_prune.checkpoint import from_pretrained
-from sinv_prune.criteria import get_criterion
+from sinv_prune.criteria import Criterion, criterion_class, get_criterion
 from sinv_prune.evaluation import (
     compare_speed,
     fits_together,
@@ -40,11 +41,10 @@ from sinv_prune.model_settings import input_device, load_kwargs, merge_lora, to_
 from sinv_prune.preflight import build_model, is_masked_lm, preflight
 from sinv_prune.pruner import HeadPruner
 from sinv_prune.ranks import Ranks
-from sinv_prune.recipe import ArmSpec, Recipe, recipe_to_yaml
-from sinv_prune.report import write_report
+from sinv_prune.recipe import ArmSpec, PartSpec, Recipe, recipe_to_yaml
+from sinv_prune.report import removed_text, write_report
 from sinv_prune.rundir import RunDir, write_dir, write_json, write_text
-from sinv_prune.selection import model_layouts, select_heads
-from sinv_prune.surgery import count_parameters, prune_heads
+from sinv_prune.surgery import count_parameters
 from sinv_prune.threads import parse_threads, recipe_threads
 from sinv_prune.training import remove_checkpoints, run_trainer
 
@@ -299,28 +299,123 @@ def _save_model(model, tokenizer, path: Path) -> None:
 # -- scoring and pruning ------------------------------------------------------------------------
 
 
-def criterion_key(arm: ArmSpec | str) -> str:
-    """One scoring per distinct criterion + options (random keeps its seed in the arm)."""
+def criterion_key(arm: ArmSpec | PartSpec | str) -> str:
+    """One scoring per distinct criterion + unit + options (random keeps its seed in the arm)."""
     if isinstance(arm, str):
         return arm
-    opts = ",".join(f"{k}={v}" for k, v in sorted(arm.options.items()))
-    return f"{arm.criterion}({opts})" if opts else arm.criterion
+    part = arm.part_specs[0] if isinstance(arm, ArmSpec) else arm
+    unit = "" if part.unit == "heads" else f"@{part.unit}"
+    opts = ",".join(f"{k}={v}" for k, v in sorted(part.options.items()))
+    return f"{part.criterion}{unit}({opts})" if opts else f"{part.criterion}{unit}"
+
+
+class StoredScores(Criterion):
+    """Scores computed earlier (stage ``score``, read back from ``scores.json``), as a criterion for the pruner."""
+
+    def __init__(self, name: str, unit: str, values: list, report: dict | None = None):
+        self.name = name
+        self.units = (unit,)
+        self._values = values
+        self._report = dict(report or {})
+
+    def scores(self, model) -> list:
+        return self._values
+
+    def report(self) -> dict:
+        return self._report
+
+
+def pruner_classes() -> tuple[type, type] | None:
+    """``(Pruner, Part)`` where this build has them (and :func:`sinv_prune.surgery.prune`), else None."""
+    try:
+        from sinv_prune.pruner import Part, Pruner
+        from sinv_prune.surgery import prune  # noqa: F401
+    except ImportError:
+        return None
+    return Pruner, Part
+
+
+def part_criterion(part: PartSpec) -> Criterion:
+    """The criterion of one arm part, built by name (a ``seed`` it takes defaults to the part's seed)."""
+    cls = criterion_class(part.criterion)
+    options = dict(part.options)
+    if "seed" in inspect.signature(cls).parameters:
+        options.setdefault("seed", part.seed)
+    if part.unit != "heads":
+        options["unit"] = part.unit
+    return get_criterion(part.criterion, **options)
+
+
+def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None = None):
+    """The pruner that scores, selects and removes what ``arm`` says; the one place arms become pruners.
+
+    ``criteria`` (one per part; None: :func:`part_criterion`) replaces a part's criterion, e.g.
+    with the :class:`StoredScores` of stage ``score``. A single-part heads arm gets a
+    :class:`HeadPruner`; MLP channels, layers and mixed cuts a ``Pruner`` of ``Part`` s (see
+    :func:`pruner_classes`).
+    """
+    parts = arm.part_specs
+    given = criteria or [None] * len(parts)
+    criteria = [c if c is not None else part_criterion(p) for p, c in zip(parts, given, strict=True)]
+    options = arm.compensate.prune_options() if arm.compensate else {}
+    compensate = options.pop("compensate", None)
+    if arm.heads_only:
+        part = parts[0]
+        return HeadPruner(
+            criteria[0],
+            part.amount,
+            mode=part.mode,
+            layout=part.layout,
+            min_heads_per_layer=part.min_heads_per_layer,
+            seed=part.seed,
+            rounds=arm.rounds,
+            compensate=compensate,
+            compensation_options=options,
+        )
+    classes = pruner_classes()
+    if classes is None:
+        raise RunStageError(f"arm {arm.label}: {needs_prune_message(arm)}")
+    Pruner, Part = classes
+    built = []
+    for part, criterion in zip(parts, criteria, strict=True):
+        extra: dict[str, Any] = {}
+        if part.unit == "heads":
+            extra.update(layout=part.layout, min_per_layer=part.min_heads_per_layer)
+        elif part.unit == "mlp":
+            if part.multiple is not None:
+                extra["multiple"] = part.multiple
+            if part.min_channels_per_layer is not None:
+                extra["min_per_layer"] = part.min_channels_per_layer
+        built.append(Part(part.unit, criterion, part.amount, mode=part.mode, seed=part.seed, **extra))
+    return Pruner(built, rounds=arm.rounds, compensate=compensate, compensation_options=options)
+
+
+def needs_prune_message(arm: ArmSpec) -> str:
+    """Why ``arm`` cannot run in a build without ``Pruner`` / ``sinv_prune.prune``."""
+    other = [u for u in arm.units if u != "heads"]
+    what = f"unit {other[0]!r}" if other else "a mixed arm (parts)"
+    return f"{what} needs sinv_prune.prune (not available in this build)"
 
 
 def stage_score(run: Run) -> None:
-    """Score heads of the base model with every criterion the arms (and ``score.criteria``) use."""
+    """Score the base model with every criterion the arms' parts (and ``score.criteria``) use.
+
+    The criteria are the ones :func:`arm_pruner` gives the pruners (:func:`part_criterion`); the
+    scores go to ``scores.json``, from which stage ``prune`` selects (so ``resume`` does not re-score).
+    """
     path = run.root / "scores.json"
     if run.dir.done("score"):
         return
     spec = run.recipe.score
-    wanted: dict[str, tuple[str, dict]] = {name: (name, {}) for name in spec.criteria}
+    wanted: dict[str, PartSpec] = {name: PartSpec(criterion=name, amount=1) for name in spec.criteria}
     for arm in run.recipe.prune.arms:
-        wanted.setdefault(criterion_key(arm), (arm.criterion, dict(arm.options)))
+        for part in arm.part_specs:
+            wanted.setdefault(criterion_key(part), part)
     results = {}
-    for key, (name, options) in wanted.items():
-        if name == "random":
+    for key, part in wanted.items():
+        if part.criterion == "random":
             continue  # drawn per arm from the arm's seed
-        crit = get_criterion(name, **options)
+        crit = part_criterion(part)
         start = time.perf_counter()
         batches = _score_batches(run) if crit.needs_data else None
         trace = run.root / "trace.jsonl" if crit.needs_trace else None
@@ -352,21 +447,21 @@ def _mask_batch(run: Run, ids: torch.Tensor) -> dict:
     return {k: v.to(run.device) for k, v in batch.items()}
 
 
+def stored_criteria(arm: ArmSpec, scores: dict) -> list[Criterion | None]:
+    """Per part of ``arm``, its stage-``score`` scores as a criterion (None for random: drawn from the arm's seed)."""
+    out: list[Criterion | None] = []
+    for part in arm.part_specs:
+        if part.criterion == "random":
+            out.append(None)
+            continue
+        entry = scores[criterion_key(part)]
+        out.append(StoredScores(part.criterion, part.unit, entry["scores"], entry.get("report")))
+    return out
+
+
 def arm_heads(run: Run, arm: ArmSpec, scores: dict) -> dict[int, list[int]]:
-    """The heads this arm removes, from its criterion's scores and its selection options."""
-    if arm.criterion == "random":
-        values = get_criterion("random", **{"seed": arm.seed, **arm.options}).compute(run.base)
-    else:
-        values = scores[criterion_key(arm)]["scores"]
-    return select_heads(
-        values,
-        arm.amount,
-        layouts=model_layouts(run.base),
-        mode=arm.mode,
-        layout=arm.layout,
-        min_heads_per_layer=arm.min_heads_per_layer,
-        seed=arm.seed,
-    )
+    """The heads a single-part heads arm removes from the base model, given stage ``score``'s scores."""
+    return arm_pruner(run, arm, stored_criteria(arm, scores)).select(run.base)
 
 
 def fresh_base(run: Run):
@@ -386,7 +481,11 @@ def release() -> None:
 
 
 def stage_prune(run: Run) -> None:
-    """Every arm starts from the same base model, so criteria compare on equal terms."""
+    """Every arm starts from the same base model, so criteria compare on equal terms.
+
+    One round: the arm's pruner selects from stage ``score``'s scores. Several rounds re-score
+    the pruned model each round, so that pruner scores itself (on the scoring batches).
+    """
     import json
 
     scores = json.loads((run.root / "scores.json").read_text())
@@ -396,51 +495,37 @@ def stage_prune(run: Run) -> None:
             continue
         model = fresh_base(run)
         calibration = _calibration_batches(run, arm.compensate) if arm.compensate else None
-        options = arm.compensate.prune_options() if arm.compensate else {}
         if arm.rounds > 1:
-            summary, state["rounds"] = _prune_in_rounds(run, arm, model, calibration, options)
+            criteria = [part_criterion(p) for p in arm.part_specs]
+            pruner = arm_pruner(run, arm, criteria)
+            batches = list(_score_batches(run)) if any(c.needs_data for c in criteria) else None
+            trace = run.root / "trace.jsonl" if any(c.needs_trace for c in criteria) else None
+            summary = pruner.prune(model, batches=batches, trace=trace, calibration=calibration)
+            state["rounds"] = pruner.last_rounds
         else:
-            heads = arm_heads(run, arm, scores)
-            allow_empty = run.recipe.prune.allow_empty_layers
-            summary = prune_heads(model, heads, allow_empty_layers=allow_empty, calibration=calibration, **options)
+            summary = arm_pruner(run, arm, stored_criteria(arm, scores)).prune(model, calibration=calibration)
         path = run.root / "arms" / _safe(arm.label) / "pruned"
         _save_model(model, run.tokenizer, path)
+        record = model.config.sinv_prune
         state.update(
             pruned=True,
-            criterion=arm.criterion,
-            heads_removed=summary.heads_removed,
-            removed=model.config.sinv_prune["pruned_heads"],
+            criterion=arm.criterion_names,
+            heads_removed=getattr(summary, "heads_removed", 0),
+            removed=record.get("pruned_heads", {}),
             pruned_dir=str(path.relative_to(run.root)),
         )
-        if summary.compensation is not None:
+        for count in ("channels_removed", "layers_removed"):
+            if hasattr(summary, count):
+                state[count] = getattr(summary, count)
+        if getattr(summary, "compensation", None) is not None:
             state["compensation"] = summary.compensation.to_dict()
         run.dir.save()
-        logger.info("arm %s: removed %d heads -> %s", arm.label, summary.heads_removed, path)
-        if summary.compensation is not None:
+        logger.info("arm %s: removed %s -> %s", arm.label, removed_text(state), path)
+        if getattr(summary, "compensation", None) is not None:
             logger.info("arm %s: %s", arm.label, str(summary.compensation).splitlines()[0])
         del model, summary, calibration
         release()
     run.dir.finish("prune")
-
-
-def _prune_in_rounds(run: Run, arm: ArmSpec, model, calibration, options: dict):
-    """``arm.rounds`` rounds through :class:`HeadPruner`: re-score, select, remove (and compensate) each round."""
-    options = dict(options)
-    pruner = HeadPruner(
-        arm.criterion,
-        arm.amount,
-        mode=arm.mode,
-        layout=arm.layout,
-        min_heads_per_layer=arm.min_heads_per_layer,
-        seed=arm.seed,
-        criterion_options=arm.options,
-        rounds=arm.rounds,
-        compensate=options.pop("compensate", None),
-        compensation_options=options,
-    )
-    batches = list(_score_batches(run)) if pruner.criterion.needs_data else None
-    summary = pruner.prune(model, batches=batches, calibration=calibration)
-    return summary, pruner.last_rounds
 
 
 def _calibration_batches(run: Run, spec) -> list[dict]:
@@ -604,17 +689,14 @@ def stage_evaluate(run: Run) -> dict:
         pruned = load_saved(run, run.root / state["pruned_dir"])
         row: dict[str, Any] = {
             "name": arm.label,
-            "criterion": arm.criterion,
-            "options": arm.options,
-            "amount": arm.amount,
-            "mode": arm.mode,
-            "layout": arm.layout,
-            "seed": arm.seed,
+            "criterion": arm.criterion_names,
+            **_arm_fields(arm),
             "compensate": arm.compensate.model_dump() if arm.compensate else None,
             "compensation": state.get("compensation"),
             "rounds": arm.rounds,
             "per_round": state.get("rounds"),
             "heads_removed": state["heads_removed"],
+            **{k: state[k] for k in ("channels_removed", "layers_removed") if k in state},
             "removed": state["removed"],
             "pruned": evaluate_model(run, pruned, f"{arm.label} (pruned)", offload=offload),
             "model_dir": state["pruned_dir"],
@@ -644,6 +726,21 @@ def stage_evaluate(run: Run) -> dict:
     write_json(path, results)
     run.dir.finish("evaluate")
     return results
+
+
+def _arm_fields(arm: ArmSpec) -> dict[str, Any]:
+    """What an arm removes, for its results row: the single part's keys, or ``parts`` (then the keys are None)."""
+    parts = arm.part_specs
+    one = parts[0] if arm.parts is None else None
+    return {
+        "unit": "+".join(arm.units),
+        "parts": [p.model_dump(exclude_none=True) for p in parts] if arm.parts is not None else None,
+        "options": one.options if one else None,
+        "amount": one.amount if one else None,
+        "mode": one.mode if one else None,
+        "layout": one.layout if one and one.unit == "heads" else None,
+        "seed": one.seed if one else None,
+    }
 
 
 def stage_report(run: Run, results: dict) -> None:

@@ -2,8 +2,8 @@
 
 A recipe that cannot run fails here with a :class:`~sinv_prune.recipe.RecipeError` naming
 the key: missing files, unknown criteria, unsupported architectures, arms that may empty layers
-(``min_heads_per_layer: 0``) without ``prune.allow_empty_layers: true``, and arms whose amount
-the model's heads (GQA groups, the arm's layout) cannot meet.
+(``min_heads_per_layer: 0``) without ``prune.allow_empty_layers: true``, and arm parts whose amount
+the model's heads (GQA groups, the arm's layout), MLP channels or layers cannot meet.
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ def check_compensation(recipe: Recipe, adapter: HeadAdapter) -> None:
     from sinv_prune.criteria import criterion_class
 
     for i, arm in enumerate(recipe.prune.arms):
-        if arm.rounds > 1 and criterion_class(arm.criterion).needs_trace:
+        traced = [p.criterion for p in arm.part_specs if criterion_class(p.criterion).needs_trace]
+        if arm.rounds > 1 and traced:
             raise RecipeError(
-                f"prune.arms[{i}].rounds: {arm.criterion} scores from the training trace, which cannot re-score "
+                f"prune.arms[{i}].rounds: {traced[0]} scores from the training trace, which cannot re-score "
                 "an already pruned model; use rounds: 1"
             )
         if arm.compensate is None:
@@ -183,12 +184,21 @@ def _check_local_path(recipe: Recipe) -> None:
         raise RecipeError(f"model.path: no such directory: {local}")
 
 
+def arm_parts(recipe: Recipe):
+    """``(key path, part)`` for every part of every arm: ``prune.arms[1]`` or ``prune.arms[1].parts[0]``."""
+    for i, arm in enumerate(recipe.prune.arms):
+        if arm.parts is None:
+            yield f"prune.arms[{i}]", arm.single_part()
+        else:
+            for j, part in enumerate(arm.parts):
+                yield f"prune.arms[{i}].parts[{j}]", part
+
+
 def preflight(recipe: Recipe) -> list[HeadLayout]:
     """Check what can be checked before any work; returns the starting model's head layouts."""
     from sinv_prune.criteria import criterion_class
     from sinv_prune.distill import check_teacher
     from sinv_prune.model_settings import check_model_settings
-    from sinv_prune.selection import select_heads
 
     files = recipe.data.files
     if files is not None:
@@ -196,11 +206,14 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
             value = getattr(files, split)
             if value is not None and not Path(recipe.resolve(value)).is_file():
                 raise RecipeError(f"data.files.{split}: {recipe.resolve(value)} does not exist")
-    for i, arm in enumerate(recipe.prune.arms):
-        _check_criterion(criterion_class, arm.criterion, f"prune.arms[{i}].criterion")
-        if arm.min_heads_per_layer == 0 and not recipe.prune.allow_empty_layers:
+    for where, part in arm_parts(recipe):
+        _check_criterion(criterion_class, part.criterion, f"{where}.criterion")
+        units = getattr(criterion_class(part.criterion), "units", ("heads",))
+        if part.unit not in units:
+            raise RecipeError(f"{where}.unit: criterion {part.criterion!r} scores {', '.join(units)}, not {part.unit}")
+        if part.unit == "heads" and part.min_heads_per_layer == 0 and not recipe.prune.allow_empty_layers:
             raise RecipeError(
-                f"prune.arms[{i}].min_heads_per_layer: 0 lets layers lose every head; "
+                f"{where}.min_heads_per_layer: 0 lets layers lose every head; "
                 "set prune.allow_empty_layers: true to allow that (or keep min_heads_per_layer >= 1)"
             )
     for i, name in enumerate(recipe.score.criteria):
@@ -211,23 +224,56 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     check_symmetry_breaking(recipe, adapter)
     check_compensation(recipe, adapter)
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
-    total = sum(lay.num_heads for lay in layouts)
-    for i, arm in enumerate(recipe.prune.arms):
-        if isinstance(arm.amount, int) and arm.amount > total:
-            raise RecipeError(f"prune.arms[{i}].amount: {arm.amount} heads requested, the model has {total}")
-        dummy = [[0.0] * lay.num_heads for lay in layouts]
-        try:
-            select_heads(
-                dummy,
-                arm.amount,
-                layouts=layouts,
-                mode=arm.mode,
-                layout=arm.layout,
-                min_heads_per_layer=arm.min_heads_per_layer,
-            )
-        except ValueError as err:
-            raise RecipeError(f"prune.arms[{i}].amount: {_first_line(err)}") from None
+    for where, part in arm_parts(recipe):
+        check_amount(part, adapter, layouts, f"{where}.amount")
+    check_prune_available(recipe)
     return layouts
+
+
+def check_prune_available(recipe: Recipe) -> None:
+    """MLP, layer and mixed arms need ``Pruner`` and :func:`sinv_prune.surgery.prune`; say so when absent."""
+    from sinv_prune.pipeline import needs_prune_message, pruner_classes
+
+    for i, arm in enumerate(recipe.prune.arms):
+        if not arm.heads_only and pruner_classes() is None:
+            key = "unit" if arm.parts is None else "parts"
+            raise RecipeError(f"prune.arms[{i}].{key}: {needs_prune_message(arm)}")
+
+
+def check_amount(part, adapter: HeadAdapter, layouts: list[HeadLayout], where: str) -> None:
+    """Whether the starting model has what ``part`` asks to remove (from its config: meta weights)."""
+    from sinv_prune.selection import select_heads
+
+    amount, layers = part.amount, adapter.num_layers
+    if part.unit == "layers":
+        if isinstance(amount, int) and amount >= layers:
+            raise RecipeError(f"{where}: {amount} layers requested, the model has {layers} (one must stay)")
+        return
+    if part.unit == "mlp":
+        total = sum(adapter.intermediate_size(layer) for layer in range(layers))
+        keep = part.min_channels_per_layer if part.min_channels_per_layer is not None else 1
+        most = total - keep * layers
+        if isinstance(amount, int) and amount > most:
+            raise RecipeError(
+                f"{where}: {amount} MLP channels requested, at most {most} can go "
+                f"({total} in {layers} layers, {keep} kept per layer)"
+            )
+        return
+    total = sum(lay.num_heads for lay in layouts)
+    if isinstance(amount, int) and amount > total:
+        raise RecipeError(f"{where}: {amount} heads requested, the model has {total}")
+    dummy = [[0.0] * lay.num_heads for lay in layouts]
+    try:
+        select_heads(
+            dummy,
+            amount,
+            layouts=layouts,
+            mode=part.mode,
+            layout=part.layout,
+            min_heads_per_layer=part.min_heads_per_layer,
+        )
+    except ValueError as err:
+        raise RecipeError(f"{where}: {_first_line(err)}") from None
 
 
 def _check_criterion(lookup, name: str, where: str) -> None:

@@ -370,8 +370,91 @@ class CompensateSpec(Strict):
         return options
 
 
+#: What an arm can remove: attention heads, MLP channels (of the intermediate layer) or whole layers.
+UNITS = ("heads", "mlp", "layers")
+#: The keys that say what one part removes (an arm gives them itself, or as a list in ``parts``).
+PART_KEYS = (
+    "criterion",
+    "options",
+    "unit",
+    "amount",
+    "mode",
+    "layout",
+    "min_heads_per_layer",
+    "multiple",
+    "min_channels_per_layer",
+    "seed",
+)
+_HEADS_ONLY = ("layout", "min_heads_per_layer")
+_MLP_ONLY = ("multiple", "min_channels_per_layer")
+
+
+def _given(model: BaseModel, keys: tuple[str, ...]) -> list[str]:
+    """The ``keys`` set on ``model`` to something other than their default (a resolved recipe repeats defaults)."""
+    default = {k: f.get_default(call_default_factory=True) for k, f in type(model).model_fields.items()}
+    return [k for k in keys if k in model.model_fields_set and getattr(model, k) != default[k]]
+
+
+def _positive_amount(v):
+    if isinstance(v, bool) or v <= 0:
+        raise ValueError("amount must be a positive count or a fraction in (0, 1)")
+    if isinstance(v, float) and not v.is_integer() and v >= 1:
+        raise ValueError("a fractional amount must be below 1")
+    return int(v) if isinstance(v, float) and v >= 1 else v
+
+
+class PartSpec(Strict):
+    """What one part of an arm removes: ``unit`` (``heads``, ``mlp`` channels or whole ``layers``),
+    chosen by ``criterion`` (with ``options``), ``amount`` of them (a count or a fraction of all),
+    spread by ``mode`` (``global``, ``per_layer``, ``uniform``; layers: ``global`` only).
+
+    Heads only: ``layout`` (GQA models: ``q_per_group``, ``kv_groups`` or ``auto``) and
+    ``min_heads_per_layer``. MLP only: ``multiple`` (each layer keeps a multiple of it) and
+    ``min_channels_per_layer``.
+    """
+
+    criterion: str
+    options: dict[str, Any] = Field(default_factory=dict)
+    unit: Literal["heads", "mlp", "layers"] = "heads"
+    amount: float | int
+    mode: Literal["global", "per_layer", "uniform"] = "global"
+    layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
+    min_heads_per_layer: int = Field(1, ge=0)
+    multiple: int | None = Field(None, gt=0)
+    min_channels_per_layer: int | None = Field(None, ge=0)
+    seed: int = 0
+
+    _positive = field_validator("amount")(_positive_amount)
+
+    @model_validator(mode="after")
+    def _keys_fit_the_unit(self):
+        if self.unit != "heads" and _given(self, _HEADS_ONLY):
+            raise ValueError(f"{_given(self, _HEADS_ONLY)[0]!r} is for unit heads only, not {self.unit}")
+        if self.unit != "mlp" and _given(self, _MLP_ONLY):
+            raise ValueError(f"{_given(self, _MLP_ONLY)[0]!r} is for unit mlp only, not {self.unit}")
+        if self.unit == "layers" and self.mode != "global":
+            raise ValueError(f"unit layers takes mode 'global' only, not {self.mode!r}")
+        return self
+
+    def label(self, with_unit: bool = False) -> str:
+        """``criterion[-unit]-amount-mode[-layout]``; the unit is named unless it is heads (or ``with_unit``)."""
+        unit = f"-{self.unit}" if with_unit or self.unit != "heads" else ""
+        default = type(self).model_fields["layout"].default
+        layout = "" if self.unit != "heads" or self.layout == default else f"-{self.layout}"
+        return f"{self.criterion}{unit}-{self.amount}-{self.mode}{layout}"
+
+
 class ArmSpec(Strict):
-    """One pruning arm: a criterion and the selection options of :func:`sinv_prune.select_heads`.
+    """One pruning arm: what it removes (a :class:`PartSpec`'s keys, or a list of them in ``parts``), and how.
+
+    The single-part form gives the part's keys on the arm itself (``unit`` defaults to heads)::
+
+        - {criterion: taylor, amount: 0.25, mode: uniform, layout: q_per_group}
+        - {criterion: taylor, unit: mlp, amount: 0.25, mode: uniform, multiple: 64}
+
+    A mixed cut lists its parts instead (not together with the single-part keys)::
+
+        - parts: [{criterion: taylor, amount: 0.1}, {criterion: taylor, unit: mlp, amount: 0.1}]
 
     ``layout`` (GQA models only): ``q_per_group`` (default; every KV group stays, each loses the
     same number of query heads), ``kv_groups`` (whole KV groups go) or ``auto`` (the cheapest of
@@ -382,32 +465,74 @@ class ArmSpec(Strict):
     """
 
     name: str | None = None
-    criterion: str
+    criterion: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
-    amount: float | int
+    unit: Literal["heads", "mlp", "layers"] = "heads"
+    amount: float | int | None = None
     mode: Literal["global", "per_layer", "uniform"] = "global"
     layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
     min_heads_per_layer: int = Field(1, ge=0)
+    multiple: int | None = Field(None, gt=0)
+    min_channels_per_layer: int | None = Field(None, ge=0)
     seed: int = 0
+    parts: list[PartSpec] | None = Field(None, min_length=1)
     compensate: CompensateSpec | None = None
     rounds: int = Field(1, ge=1)
 
     @field_validator("amount")
     @classmethod
     def _positive(cls, v):
-        if isinstance(v, bool) or v <= 0:
-            raise ValueError("amount must be a positive head count or a fraction in (0, 1)")
-        if isinstance(v, float) and not v.is_integer() and v >= 1:
-            raise ValueError("a fractional amount must be below 1")
-        return int(v) if isinstance(v, float) and v >= 1 else v
+        return None if v is None else _positive_amount(v)
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if self.parts is not None:
+            mixed = _given(self, PART_KEYS)
+            if mixed:
+                raise ValueError(f"give either 'parts' or the single-part keys, not both (got {', '.join(mixed)})")
+            return self
+        missing = [k for k in ("criterion", "amount") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"missing {' and '.join(map(repr, missing))} (or give 'parts')")
+        self.single_part()  # the unit's own checks
+        return self
+
+    def single_part(self) -> PartSpec:
+        data = {k: getattr(self, k) for k in PART_KEYS if k in self.model_fields_set}
+        try:
+            return PartSpec.model_validate({**data, "criterion": self.criterion, "amount": self.amount})
+        except ValidationError as err:
+            raise ValueError(_msg(err.errors()[0])) from None
+
+    @property
+    def part_specs(self) -> list[PartSpec]:
+        """What the arm removes, one :class:`PartSpec` per part (one for the single-part form)."""
+        return list(self.parts) if self.parts is not None else [self.single_part()]
+
+    @property
+    def units(self) -> list[str]:
+        """The units the arm removes, in part order without repeats."""
+        return list(dict.fromkeys(p.unit for p in self.part_specs))
+
+    @property
+    def heads_only(self) -> bool:
+        """A single-part heads arm (what :class:`sinv_prune.HeadPruner` runs)."""
+        return self.parts is None and self.unit == "heads"
+
+    @property
+    def criterion_names(self) -> str:
+        """The criterion, or the parts' criteria joined by ``+``."""
+        return "+".join(p.criterion for p in self.part_specs)
 
     @property
     def label(self) -> str:
-        default = type(self).model_fields["layout"].default
-        layout = "" if self.layout == default else f"-{self.layout}"
+        if self.parts is None:
+            base = self.single_part().label()
+        else:
+            base = "+".join(p.label(with_unit=True) for p in self.parts)
         compensate = f"-{self.compensate.method}" if self.compensate else ""
         rounds = f"-r{self.rounds}" if self.rounds > 1 else ""
-        return self.name or f"{self.criterion}-{self.amount}-{self.mode}{layout}{compensate}{rounds}"
+        return self.name or f"{base}{compensate}{rounds}"
 
 
 class PruneSpec(Strict):
@@ -474,7 +599,7 @@ class Recipe(Strict):
                 raise ValueError(f"push.arms: unknown arms {unknown}; the recipe's arms are {labels}")
             if len(self.push.arms or labels) > 1 and "{arm}" not in self.push.repo_id:
                 raise ValueError("push.repo_id: several arms are pushed; put '{arm}' in the repo id")
-        needs_trace = [a.label for a in self.prune.arms if a.criterion == "sinv_early"]
+        needs_trace = [a.label for a in self.prune.arms if any(p.criterion == "sinv_early" for p in a.part_specs)]
         if needs_trace and (self.train is None or self.train.tracking is None):
             raise ValueError(f"arms {needs_trace} use sinv_early, which needs train.tracking")
         return self

@@ -30,11 +30,17 @@ def write_report(root: Path, results: dict, recipe: Recipe, *, plots: bool = Tru
 def summary_rows(results: dict) -> list[dict]:
     """Rows for the summary table and report.md: baseline first, then each arm."""
     base = results["baseline"]
-    rows = [_row("baseline", "-", 0, base, None, base)]
+    rows = [_row("baseline", "-", None, base, None, base)]
     for arm in results["arms"]:
-        row = _row(arm["name"], arm["criterion"], arm["heads_removed"], arm["pruned"], arm.get("finetuned"), base)
+        row = _row(arm["name"], arm["criterion"], removed_text(arm), arm["pruned"], arm.get("finetuned"), base)
         rows.append(row | {"layout": arm.get("layout")})
     return rows
+
+
+def removed_text(counts: dict) -> str:
+    """``"4 heads"``, ``"4 heads + 96 channels"``: what an arm removed (from its state or results row)."""
+    counted = [(counts.get(f"{what}_removed"), what) for what in ("heads", "channels", "layers")]
+    return " + ".join(f"{n:,} {what}" for n, what in counted if n) or "nothing"
 
 
 SPEED_COLUMN = "forward speed-up vs baseline, median [IQR]"
@@ -46,7 +52,7 @@ def _row(name, criterion, removed, pruned, tuned, base) -> dict:
         "arm": name,
         "criterion": criterion,
         "layout": None,  # the arm's GQA layout (selection), set by summary_rows
-        "heads removed": removed,
+        "removed": removed,
         "params": pruned["params"],
         "params %": 100.0 * pruned["params"] / base["params"],
         "ppl pruned": pruned["perplexity"],

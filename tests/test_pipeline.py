@@ -156,6 +156,18 @@ def test_arms_report_their_layout(finished_run):
     assert len(rows) == len(results["arms"]) and all(r[column] == "q_per_group" for r in rows)
 
 
+def test_arms_report_what_they_removed(finished_run):
+    out, _ = finished_run
+    results = json.loads((out / "results.json").read_text())
+    assert {(a["unit"], a["parts"]) for a in results["arms"]} == {("heads", None)}
+    assert not any("channels_removed" in a or "layers_removed" in a for a in results["arms"])
+    lines = (out / "report.md").read_text().splitlines()
+    header = [c.strip() for c in next(line for line in lines if line.startswith("| arm ")).split("|")]
+    cells = {line.split("|")[1].strip(): line.split("|")[header.index("removed")].strip()
+             for line in lines if line.startswith("| ") and not line.startswith(("| arm ", "| ---"))}  # fmt: skip
+    assert cells == {"baseline": "-", **{a["name"]: "2 heads" for a in results["arms"]}}
+
+
 def test_resume_after_interruption_gives_the_same_results(finished_run, tmp_path, monkeypatch):
     out_full, _ = finished_run
     recipe = validate_recipe(TINY)
@@ -199,6 +211,11 @@ def test_existing_output_is_not_overwritten(finished_run):
         (yaml.safe_dump({**TINY, "prune": {"arms": [{"criterion": "vibes", "amount": 2}]}}), "criterion"),
         (yaml.safe_dump({**TINY, "prune": {"arms": [{"criterion": "random", "amount": 99}]}}), "99 heads requested"),
         (yaml.safe_dump({**TINY, "model": {"architecture": "t5"}}), "unknown architecture"),
+        (yaml.safe_dump({**TINY, "prune": {"arms": [{"parts": [{"criterion": "random", "amount": 99}]}]}}),
+         "prune.arms[0].parts[0].amount: 99 heads requested"),
+        (yaml.safe_dump({**TINY, "prune": {"arms": [{"criterion": "random", "unit": "mlp", "amount": 2,
+                                                      "layout": "auto"}]}}),
+         "prune.arms[0]: 'layout' is for unit heads only, not mlp"),
         (yaml.safe_dump({**TINY, "data": {"files": {"test": "missing.txt"}, "tokenizer": {"kind": "word"}}}),
          "does not exist"),
         (yaml.safe_dump({**TINY, "model": MISTRAL, "train": {**TINY["train"], "symmetry_breaking": {}}}),
@@ -274,3 +291,81 @@ def test_a_recipe_path_that_is_a_directory_says_so(tmp_path):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0] == f"error: {tmp_path}: is a directory; give a recipe file (a .yaml inside it)"
     assert not (tmp_path / "out").exists()
+
+
+def _has_pruner() -> bool:
+    return pipeline.pruner_classes() is not None
+
+
+UNITS = {
+    **TINY,
+    "train": {"max_steps": 2, "batch_size": 8, "learning_rate": 0.003},
+    "prune": {
+        "arms": [
+            {"criterion": "magnitude", "unit": "mlp", "amount": 0.25, "mode": "uniform", "multiple": 8},
+            {"criterion": "random", "unit": "layers", "amount": 1, "seed": 1},
+            {
+                "parts": [{"criterion": "taylor", "amount": 2}, {"criterion": "taylor", "unit": "mlp", "amount": 64}],
+                "rounds": 2,
+            },
+        ]
+    },
+    "finetune": None,
+    "evaluate": {"speed": False},
+}
+
+
+@pytest.mark.skipif(not _has_pruner(), reason="needs sinv_prune.pruner.Pruner/Part and sinv_prune.surgery.prune")
+def test_mlp_layer_and_mixed_arms_run_end_to_end(tmp_path):
+    """Each arm removes what it says, reloads with the claimed parameter count, and the report names it."""
+    data = {k: v for k, v in UNITS.items() if v is not None}
+    result = invoke(recipe_file(tmp_path, data), "--output", tmp_path / "out", "--quiet")
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    mlp, layers, mixed = results["arms"]
+    assert (mlp["name"], mlp["unit"], mlp["heads_removed"]) == ("magnitude-mlp-0.25-uniform", "mlp", 0)
+    assert mlp["channels_removed"] == 0.25 * 2 * 128  # gpt2's MLP: 4 x n_embd channels per layer
+    assert (layers["name"], layers["unit"], layers["layers_removed"]) == ("random-layers-1-global", "layers", 1)
+    assert (mixed["unit"], mixed["heads_removed"], mixed["channels_removed"]) == ("heads+mlp", 2, 64)
+    assert [p["unit"] for p in mixed["parts"]] == ["heads", "mlp"] and len(mixed["per_round"]) == 2
+    for arm in results["arms"]:
+        model = sinv_prune.from_pretrained(tmp_path / "out" / arm["model_dir"])
+        assert sinv_prune.count_parameters(model) == arm["params"] < results["baseline"]["params"]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| 64 channels |" in report and "2 heads + 64 channels" in report
+
+
+def test_arm_pruner_maps_every_part_onto_the_pruner(monkeypatch):
+    """Heads arms get a HeadPruner; other arms one ``Part`` per part with the part's keys, the arm's rounds."""
+    made = {}
+
+    def part(unit, criterion, amount, **keys):
+        return {"unit": unit, "criterion": criterion, "amount": amount, **keys}
+
+    def pruner(parts, **keys):
+        made.update(parts=parts, **keys)
+        return "pruner"
+
+    monkeypatch.setattr(pipeline, "pruner_classes", lambda: (pruner, part))
+    arms = [
+        {"criterion": "magnitude", "amount": 2, "mode": "uniform", "layout": "kv_groups", "rounds": 2},
+        {"parts": [{"criterion": "magnitude", "amount": 2, "min_heads_per_layer": 0},
+                   {"criterion": "random", "unit": "mlp", "amount": 0.5, "multiple": 8, "seed": 3}],
+         "compensate": {"method": "lsq", "ridge": 0.1}, "rounds": 3},
+    ]  # fmt: skip
+    recipe = validate_recipe({**TINY, "prune": {"arms": arms, "allow_empty_layers": True}})
+    heads = pipeline.arm_pruner(None, recipe.prune.arms[0])
+    assert isinstance(heads, sinv_prune.HeadPruner) and heads.criterion.name == "magnitude"
+    assert (heads.amount, heads.mode, heads.layout, heads.rounds) == (2, "uniform", "kv_groups", 2)
+    stored = pipeline.StoredScores("magnitude", "heads", [[1.0, 2.0]], {"note": 1})
+    channels = pipeline.StoredScores("random", "mlp", [[0.5] * 4])  # by name only once criteria take a unit
+    assert pipeline.arm_pruner(None, recipe.prune.arms[1], [stored, channels]) == "pruner"
+    first, second = made["parts"]
+    assert first == {"unit": "heads", "criterion": stored, "amount": 2, "mode": "global", "seed": 0,
+                     "layout": "q_per_group", "min_per_layer": 0}  # fmt: skip
+    assert {k: second[k] for k in ("unit", "amount", "mode", "seed", "multiple")} == {
+        "unit": "mlp", "amount": 0.5, "mode": "global", "seed": 3, "multiple": 8}  # fmt: skip
+    assert second["criterion"] is channels and channels.units == ("mlp",) and "min_per_layer" not in second
+    assert (made["rounds"], made["compensate"]) == (3, "lsq")
+    assert made["compensation_options"] == {"add_bias": False, "ridge": 0.1}
+    assert stored.compute(None) == [[1.0, 2.0]] and stored.report() == {"note": 1}

@@ -167,3 +167,151 @@ def test_shipped_recipes_validate():
     assert {"quickstart", "nn6-wikitext2", "smollm2-wikitext2"} <= set(names)
     for path in names.values():
         load_recipe(path)
+
+
+# -- what an arm removes: unit, parts --------------------------------------------------------------
+
+
+def registered(name: str, units: tuple[str, ...]):
+    """A criterion registered as ``name`` for ``units`` while the test runs (real ones declare theirs)."""
+    from sinv_prune.criteria import _CRITERIA, Criterion, register_criterion
+
+    register_criterion(name)(type(name, (Criterion,), {"units": units}))
+    yield name
+    _CRITERIA.pop(name)
+
+
+@pytest.fixture
+def any_unit_criterion():
+    yield from registered("test_any_unit", ("heads", "mlp", "layers"))
+
+
+@pytest.fixture
+def heads_only_criterion():
+    yield from registered("test_heads_only", ("heads",))
+
+
+MIXED = {"parts": [{"criterion": "magnitude", "amount": 2},
+                   {"criterion": "taylor", "unit": "mlp", "amount": 0.25, "mode": "uniform", "multiple": 8}],
+         "compensate": {"method": "bias"}, "rounds": 2}  # fmt: skip
+
+
+def test_arm_labels_name_what_they_remove():
+    arms = [{"criterion": "magnitude", "amount": 2},
+            {"criterion": "taylor", "unit": "mlp", "amount": 0.25, "mode": "uniform", "multiple": 64},
+            {"criterion": "taylor", "unit": "layers", "amount": 1},
+            MIXED]  # fmt: skip
+    recipe = validate_recipe(with_change("prune.arms", arms))
+    assert [a.label for a in recipe.prune.arms] == [
+        "magnitude-2-global",
+        "taylor-mlp-0.25-uniform",
+        "taylor-layers-1-global",
+        "magnitude-heads-2-global+taylor-mlp-0.25-uniform-bias-r2",
+    ]
+    assert [a.units for a in recipe.prune.arms] == [["heads"], ["mlp"], ["layers"], ["heads", "mlp"]]
+    mixed = recipe.prune.arms[3]
+    assert [p.unit for p in mixed.part_specs] == ["heads", "mlp"] and mixed.part_specs[1].multiple == 8
+    assert mixed.criterion is None and mixed.criterion_names == "magnitude+taylor" and not mixed.heads_only
+
+
+@pytest.mark.parametrize(
+    ("arm", "message"),
+    [
+        ({"criterion": "taylor", "unit": "neurons", "amount": 2}, "prune.arms[0].unit: Input should be 'heads'"),
+        ({"criterion": "taylor", "unit": "mlp", "amount": 2, "layout": "kv_groups"},
+         "prune.arms[0]: 'layout' is for unit heads only, not mlp"),
+        ({"criterion": "taylor", "unit": "layers", "amount": 1, "min_heads_per_layer": 0},
+         "prune.arms[0]: 'min_heads_per_layer' is for unit heads only, not layers"),
+        ({"criterion": "taylor", "amount": 2, "multiple": 8}, "prune.arms[0]: 'multiple' is for unit mlp only"),
+        ({"criterion": "taylor", "unit": "layers", "amount": 1, "min_channels_per_layer": 4},
+         "'min_channels_per_layer' is for unit mlp only, not layers"),
+        ({"criterion": "taylor", "unit": "layers", "amount": 1, "mode": "uniform"},
+         "prune.arms[0]: unit layers takes mode 'global' only, not 'uniform'"),
+        ({"criterion": "taylor", "unit": "mlp", "amount": 1.5}, "prune.arms[0].amount: a fractional amount"),
+        ({**MIXED, "criterion": "taylor"}, "prune.arms[0]: give either 'parts' or the single-part keys, not both"),
+        ({"parts": []}, "prune.arms[0].parts: List should have at least 1 item"),
+        ({"parts": [{"criterion": "taylor", "unit": "mlp", "amount": 2, "layout": "auto"}]},
+         "prune.arms[0].parts[0]: 'layout' is for unit heads only, not mlp"),
+        ({"parts": [{"criterion": "taylor", "amount": -2}]}, "prune.arms[0].parts[0].amount: amount must be"),
+        ({"unit": "mlp", "amount": 2}, "prune.arms[0]: missing 'criterion' (or give 'parts')"),
+    ],
+)  # fmt: skip
+def test_arm_units_and_parts_are_validated(arm, message):
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(with_change("prune.arms", [arm]))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_criterion_must_score_the_unit(heads_only_criterion):
+    arms = [{"criterion": "magnitude", "amount": 2},
+            {"parts": [{"criterion": "magnitude", "amount": 2},
+                       {"criterion": heads_only_criterion, "unit": "mlp", "amount": 4}]}]  # fmt: skip
+    with pytest.raises(RecipeError, match=r"^prune.arms\[1\].parts\[1\].unit: criterion 'test_heads_only' scores "
+                                          r"heads, not mlp$"):  # fmt: skip
+        preflight(validate_recipe(with_change("prune.arms", arms)))
+
+
+LLAMA_MLP = {"architecture": "llama", "config": {"num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "hidden_size": 32, "intermediate_size": 48}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        ({"unit": "mlp", "amount": 95}, "95 MLP channels requested, at most 94 can go (96 in 2 layers, 1 kept "
+                                        "per layer)"),
+        ({"unit": "mlp", "amount": 90, "min_channels_per_layer": 4}, "at most 88 can go"),
+        ({"unit": "layers", "amount": 2}, "2 layers requested, the model has 2 (one must stay)"),
+        ({"amount": 9}, "9 heads requested, the model has 8"),
+        ({"amount": 3, "mode": "uniform"}, "layout 'q_per_group'"),
+    ],
+)  # fmt: skip
+def test_every_unit_amount_is_checked_from_the_config(any_unit_criterion, part, message):
+    """Amounts for heads, MLP channels and layers fail in preflight (meta weights), naming the part's key."""
+    arms = [{"criterion": "magnitude", "amount": 2},
+            {"parts": [{"criterion": any_unit_criterion, "amount": 2},
+                       {"criterion": any_unit_criterion, **part}]}]  # fmt: skip
+    recipe = validate_recipe({**with_change("prune.arms", arms), "model": LLAMA_MLP})
+    with pytest.raises(RecipeError) as err:
+        preflight(recipe)
+    assert str(err.value).startswith("prune.arms[1].parts[1].amount: ") and message in str(err.value)
+
+
+def test_amounts_the_model_can_meet_pass(any_unit_criterion, monkeypatch):
+    from sinv_prune import pipeline
+
+    monkeypatch.setattr(pipeline, "pruner_classes", lambda: ("Pruner", "Part"))  # as once sinv_prune.prune lands
+    arms = [{"criterion": any_unit_criterion, "unit": "mlp", "amount": 94},
+            {"criterion": any_unit_criterion, "unit": "mlp", "amount": 0.5, "mode": "uniform"},
+            {"criterion": any_unit_criterion, "unit": "layers", "amount": 1},
+            {"parts": [{"criterion": any_unit_criterion, "amount": 4},  # one query head per KV group
+                       {"criterion": any_unit_criterion, "unit": "layers", "amount": 0.5}]}]  # fmt: skip
+    assert len(preflight(validate_recipe({**with_change("prune.arms", arms), "model": LLAMA_MLP}))) == 2
+
+
+def test_mlp_layer_and_mixed_arms_are_refused_without_sinv_prune_prune(any_unit_criterion, monkeypatch):
+    from sinv_prune import pipeline
+
+    monkeypatch.setattr(pipeline, "pruner_classes", lambda: None)  # this build, before sinv_prune.prune
+    for arm, key, what in [
+        ({"criterion": any_unit_criterion, "unit": "mlp", "amount": 4}, "unit", "unit 'mlp'"),
+        ({"criterion": any_unit_criterion, "unit": "layers", "amount": 1}, "unit", "unit 'layers'"),
+        ({"parts": [{"criterion": "magnitude", "amount": 2}, {"criterion": "taylor", "amount": 2}]}, "parts",
+         "a mixed arm (parts)"),
+    ]:  # fmt: skip
+        recipe = validate_recipe(with_change("prune.arms", [{"criterion": "magnitude", "amount": 2}, arm]))
+        with pytest.raises(RecipeError) as err:
+            preflight(recipe)
+        assert str(err.value) == f"prune.arms[1].{key}: {what} needs sinv_prune.prune (not available in this build)"
+    preflight(validate_recipe(GOOD))  # heads arms run as before
+
+
+def test_the_resolved_recipe_of_unit_and_mixed_arms_loads_again(tmp_path):
+    """recipe.yaml repeats every default (layout on an MLP arm, unit on a mixed one): it must still validate."""
+    from sinv_prune.recipe import recipe_to_yaml
+
+    arms = [{"criterion": "taylor", "unit": "mlp", "amount": 0.25, "multiple": 8}, MIXED]
+    recipe = validate_recipe(with_change("prune.arms", arms))
+    again = load_recipe(write(tmp_path, recipe_to_yaml(recipe)))
+    assert [a.label for a in again.prune.arms] == [a.label for a in recipe.prune.arms]
+    assert again.prune.arms[1].part_specs == recipe.prune.arms[1].part_specs
