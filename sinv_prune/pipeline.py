@@ -39,7 +39,7 @@ from sinv_prune.evaluation import (
 )
 from sinv_prune.model_settings import input_device, load_kwargs, merge_lora, to_device, unloadable_reason, wrap_lora
 from sinv_prune.preflight import build_model, is_masked_lm, preflight
-from sinv_prune.pruner import HeadPruner
+from sinv_prune.pruner import HeadPruner, Part, Pruner
 from sinv_prune.ranks import Ranks
 from sinv_prune.recipe import ArmSpec, PartSpec, Recipe, recipe_to_yaml
 from sinv_prune.report import removed_text, write_report
@@ -325,16 +325,6 @@ class StoredScores(Criterion):
         return self._report
 
 
-def pruner_classes() -> tuple[type, type] | None:
-    """``(Pruner, Part)`` where this build has them (and :func:`sinv_prune.surgery.prune`), else None."""
-    try:
-        from sinv_prune.pruner import Part, Pruner
-        from sinv_prune.surgery import prune  # noqa: F401
-    except ImportError:
-        return None
-    return Pruner, Part
-
-
 def part_criterion(part: PartSpec) -> Criterion:
     """The criterion of one arm part, built by name (a ``seed`` it takes defaults to the part's seed)."""
     cls = criterion_class(part.criterion)
@@ -351,8 +341,7 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
 
     ``criteria`` (one per part; None: :func:`part_criterion`) replaces a part's criterion, e.g.
     with the :class:`StoredScores` of stage ``score``. A single-part heads arm gets a
-    :class:`HeadPruner`; MLP channels, layers and mixed cuts a ``Pruner`` of ``Part`` s (see
-    :func:`pruner_classes`).
+    :class:`HeadPruner`; MLP channels, layers and mixed cuts a :class:`Pruner` of :class:`Part` s.
     """
     parts = arm.part_specs
     given = criteria or [None] * len(parts)
@@ -372,10 +361,6 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
             compensate=compensate,
             compensation_options=options,
         )
-    classes = pruner_classes()
-    if classes is None:
-        raise RunStageError(f"arm {arm.label}: {needs_prune_message(arm)}")
-    Pruner, Part = classes
     built = []
     for part, criterion in zip(parts, criteria, strict=True):
         extra: dict[str, Any] = {}
@@ -388,13 +373,6 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
                 extra["min_per_layer"] = part.min_channels_per_layer
         built.append(Part(part.unit, criterion, part.amount, mode=part.mode, seed=part.seed, **extra))
     return Pruner(built, rounds=arm.rounds, compensate=compensate, compensation_options=options)
-
-
-def needs_prune_message(arm: ArmSpec) -> str:
-    """Why ``arm`` cannot run in a build without ``Pruner`` / ``sinv_prune.prune``."""
-    other = [u for u in arm.units if u != "heads"]
-    what = f"unit {other[0]!r}" if other else "a mixed arm (parts)"
-    return f"{what} needs sinv_prune.prune (not available in this build)"
 
 
 def stage_score(run: Run) -> None:
@@ -510,18 +488,19 @@ def stage_prune(run: Run) -> None:
         state.update(
             pruned=True,
             criterion=arm.criterion_names,
-            heads_removed=getattr(summary, "heads_removed", 0),
+            heads_removed=summary.heads_removed,
+            channels_removed=summary.channels_removed,
+            layers_removed=summary.layers_removed,
             removed=record.get("pruned_heads", {}),
+            removed_channels={layer: len(c) for layer, c in record.get("pruned_mlp", {}).items()},
+            removed_layers=record.get("removed_layers", []),
             pruned_dir=str(path.relative_to(run.root)),
         )
-        for count in ("channels_removed", "layers_removed"):
-            if hasattr(summary, count):
-                state[count] = getattr(summary, count)
-        if getattr(summary, "compensation", None) is not None:
+        if summary.compensation is not None:
             state["compensation"] = summary.compensation.to_dict()
         run.dir.save()
         logger.info("arm %s: removed %s -> %s", arm.label, removed_text(state), path)
-        if getattr(summary, "compensation", None) is not None:
+        if summary.compensation is not None:
             logger.info("arm %s: %s", arm.label, str(summary.compensation).splitlines()[0])
         del model, summary, calibration
         release()
@@ -696,8 +675,8 @@ def stage_evaluate(run: Run) -> dict:
             "rounds": arm.rounds,
             "per_round": state.get("rounds"),
             "heads_removed": state["heads_removed"],
-            **{k: state[k] for k in ("channels_removed", "layers_removed") if k in state},
-            "removed": state["removed"],
+            **{k: state.get(k, 0) for k in ("channels_removed", "layers_removed")},
+            **{k: state.get(k) for k in ("removed", "removed_channels", "removed_layers")},
             "pruned": evaluate_model(run, pruned, f"{arm.label} (pruned)", offload=offload),
             "model_dir": state["pruned_dir"],
             "score_report": scores.get(criterion_key(arm), {}).get("report", {}),

@@ -226,18 +226,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
     for where, part in arm_parts(recipe):
         check_amount(part, adapter, layouts, f"{where}.amount")
-    check_prune_available(recipe)
     return layouts
-
-
-def check_prune_available(recipe: Recipe) -> None:
-    """MLP, layer and mixed arms need ``Pruner`` and :func:`sinv_prune.surgery.prune`; say so when absent."""
-    from sinv_prune.pipeline import needs_prune_message, pruner_classes
-
-    for i, arm in enumerate(recipe.prune.arms):
-        if not arm.heads_only and pruner_classes() is None:
-            key = "unit" if arm.parts is None else "parts"
-            raise RecipeError(f"prune.arms[{i}].{key}: {needs_prune_message(arm)}")
 
 
 def check_amount(part, adapter: HeadAdapter, layouts: list[HeadLayout], where: str) -> None:

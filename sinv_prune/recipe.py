@@ -461,7 +461,7 @@ class ArmSpec(Strict):
     either). ``min_heads_per_layer: 0`` also needs ``prune.allow_empty_layers: true``.
     ``compensate`` (:class:`CompensateSpec`) re-fits what remains after the heads go;
     ``rounds: k`` reaches the amount in k rounds, re-scoring the pruned model (and compensating,
-    when set) each round (see :class:`sinv_prune.HeadPruner`).
+    when set) each round (see :class:`sinv_prune.HeadPruner`); heads-only arms only.
     """
 
     name: str | None = None
@@ -490,12 +490,22 @@ class ArmSpec(Strict):
             mixed = _given(self, PART_KEYS)
             if mixed:
                 raise ValueError(f"give either 'parts' or the single-part keys, not both (got {', '.join(mixed)})")
+            self._one_round_unless_heads()
             return self
         missing = [k for k in ("criterion", "amount") if getattr(self, k) is None]
         if missing:
             raise ValueError(f"missing {' and '.join(map(repr, missing))} (or give 'parts')")
         self.single_part()  # the unit's own checks
+        self._one_round_unless_heads()
         return self
+
+    def _one_round_unless_heads(self) -> None:
+        units = {p.unit for p in self.part_specs}
+        if self.rounds > 1 and units != {"heads"}:
+            raise ValueError(
+                f"rounds: {self.rounds} rounds need a heads-only arm; an arm removing {' and '.join(sorted(units))} "
+                "is pruned in one round (rounds: 1)"
+            )
 
     def single_part(self) -> PartSpec:
         data = {k: getattr(self, k) for k in PART_KEYS if k in self.model_fields_set}

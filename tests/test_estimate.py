@@ -88,16 +88,16 @@ def test_compensation_rounds_and_distillation_add_their_passes():
 
 
 def test_unit_and_mixed_arms_score_each_part_once_and_rescore_every_part():
-    """An MLP part scores apart from the heads part of the same criterion; a mixed arm's rounds re-score both."""
+    """An MLP part scores apart from the heads part of the same criterion; a mixed arm prunes in one shot."""
     arms = [{"criterion": "taylor", "amount": 2},
             {"criterion": "taylor", "unit": "mlp", "amount": 0.25, "mode": "uniform", "multiple": 8},
             {"parts": [{"criterion": "taylor", "amount": 2}, {"criterion": "taylor", "unit": "mlp", "amount": 0.25}],
-             "rounds": 3, "name": "mixed"},
+             "name": "mixed"},
             {"criterion": "random", "unit": "layers", "amount": 1}]  # fmt: skip
     out = rows({**RECIPE, "prune": {"arms": arms}})
     assert out["score taylor"] == out["score taylor@mlp"] > 0
     assert not any(stage.startswith("score random") for stage in out)
     one_shot = out["prune taylor-2-global"]
     assert out["prune taylor-mlp-0.25-uniform"] == out["prune random-layers-1-global"] == one_shot
-    assert out["prune mixed"] == pytest.approx(one_shot + 2 * (out["score taylor"] + out["score taylor@mlp"]))
+    assert out["prune mixed"] == pytest.approx(one_shot)
     assert {"finetune taylor-mlp-0.25-uniform", "finetune mixed", "finetune random-layers-1-global"} <= set(out)

@@ -160,7 +160,7 @@ def test_arms_report_what_they_removed(finished_run):
     out, _ = finished_run
     results = json.loads((out / "results.json").read_text())
     assert {(a["unit"], a["parts"]) for a in results["arms"]} == {("heads", None)}
-    assert not any("channels_removed" in a or "layers_removed" in a for a in results["arms"])
+    assert all(a["channels_removed"] == a["layers_removed"] == 0 and a["heads_removed"] > 0 for a in results["arms"])
     lines = (out / "report.md").read_text().splitlines()
     header = [c.strip() for c in next(line for line in lines if line.startswith("| arm ")).split("|")]
     cells = {line.split("|")[1].strip(): line.split("|")[header.index("removed")].strip()
@@ -293,10 +293,6 @@ def test_a_recipe_path_that_is_a_directory_says_so(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _has_pruner() -> bool:
-    return pipeline.pruner_classes() is not None
-
-
 UNITS = {
     **TINY,
     "train": {"max_steps": 2, "batch_size": 8, "learning_rate": 0.003},
@@ -306,7 +302,6 @@ UNITS = {
             {"criterion": "random", "unit": "layers", "amount": 1, "seed": 1},
             {
                 "parts": [{"criterion": "taylor", "amount": 2}, {"criterion": "taylor", "unit": "mlp", "amount": 64}],
-                "rounds": 2,
             },
         ]
     },
@@ -315,7 +310,6 @@ UNITS = {
 }
 
 
-@pytest.mark.skipif(not _has_pruner(), reason="needs sinv_prune.pruner.Pruner/Part and sinv_prune.surgery.prune")
 def test_mlp_layer_and_mixed_arms_run_end_to_end(tmp_path):
     """Each arm removes what it says, reloads with the claimed parameter count, and the report names it."""
     data = {k: v for k, v in UNITS.items() if v is not None}
@@ -327,7 +321,7 @@ def test_mlp_layer_and_mixed_arms_run_end_to_end(tmp_path):
     assert mlp["channels_removed"] == 0.25 * 2 * 128  # gpt2's MLP: 4 x n_embd channels per layer
     assert (layers["name"], layers["unit"], layers["layers_removed"]) == ("random-layers-1-global", "layers", 1)
     assert (mixed["unit"], mixed["heads_removed"], mixed["channels_removed"]) == ("heads+mlp", 2, 64)
-    assert [p["unit"] for p in mixed["parts"]] == ["heads", "mlp"] and len(mixed["per_round"]) == 2
+    assert [p["unit"] for p in mixed["parts"]] == ["heads", "mlp"]
     for arm in results["arms"]:
         model = sinv_prune.from_pretrained(tmp_path / "out" / arm["model_dir"])
         assert sinv_prune.count_parameters(model) == arm["params"] < results["baseline"]["params"]
@@ -336,7 +330,7 @@ def test_mlp_layer_and_mixed_arms_run_end_to_end(tmp_path):
 
 
 def test_arm_pruner_maps_every_part_onto_the_pruner(monkeypatch):
-    """Heads arms get a HeadPruner; other arms one ``Part`` per part with the part's keys, the arm's rounds."""
+    """Heads arms get a HeadPruner; other arms one ``Part`` per part with the part's keys, the arm's compensation."""
     made = {}
 
     def part(unit, criterion, amount, **keys):
@@ -346,12 +340,13 @@ def test_arm_pruner_maps_every_part_onto_the_pruner(monkeypatch):
         made.update(parts=parts, **keys)
         return "pruner"
 
-    monkeypatch.setattr(pipeline, "pruner_classes", lambda: (pruner, part))
+    monkeypatch.setattr(pipeline, "Pruner", pruner)
+    monkeypatch.setattr(pipeline, "Part", part)
     arms = [
         {"criterion": "magnitude", "amount": 2, "mode": "uniform", "layout": "kv_groups", "rounds": 2},
         {"parts": [{"criterion": "magnitude", "amount": 2, "min_heads_per_layer": 0},
                    {"criterion": "random", "unit": "mlp", "amount": 0.5, "multiple": 8, "seed": 3}],
-         "compensate": {"method": "lsq", "ridge": 0.1}, "rounds": 3},
+         "compensate": {"method": "lsq", "ridge": 0.1}},
     ]  # fmt: skip
     recipe = validate_recipe({**TINY, "prune": {"arms": arms, "allow_empty_layers": True}})
     heads = pipeline.arm_pruner(None, recipe.prune.arms[0])
@@ -366,6 +361,6 @@ def test_arm_pruner_maps_every_part_onto_the_pruner(monkeypatch):
     assert {k: second[k] for k in ("unit", "amount", "mode", "seed", "multiple")} == {
         "unit": "mlp", "amount": 0.5, "mode": "global", "seed": 3, "multiple": 8}  # fmt: skip
     assert second["criterion"] is channels and channels.units == ("mlp",) and "min_per_layer" not in second
-    assert (made["rounds"], made["compensate"]) == (3, "lsq")
+    assert (made["rounds"], made["compensate"]) == (1, "lsq")
     assert made["compensation_options"] == {"add_bias": False, "ridge": 0.1}
     assert stored.compute(None) == [[1.0, 2.0]] and stored.report() == {"note": 1}

@@ -193,7 +193,7 @@ def heads_only_criterion():
 
 MIXED = {"parts": [{"criterion": "magnitude", "amount": 2},
                    {"criterion": "taylor", "unit": "mlp", "amount": 0.25, "mode": "uniform", "multiple": 8}],
-         "compensate": {"method": "bias"}, "rounds": 2}  # fmt: skip
+         "compensate": {"method": "bias"}}  # fmt: skip
 
 
 def test_arm_labels_name_what_they_remove():
@@ -206,7 +206,7 @@ def test_arm_labels_name_what_they_remove():
         "magnitude-2-global",
         "taylor-mlp-0.25-uniform",
         "taylor-layers-1-global",
-        "magnitude-heads-2-global+taylor-mlp-0.25-uniform-bias-r2",
+        "magnitude-heads-2-global+taylor-mlp-0.25-uniform-bias",
     ]
     assert [a.units for a in recipe.prune.arms] == [["heads"], ["mlp"], ["layers"], ["heads", "mlp"]]
     mixed = recipe.prune.arms[3]
@@ -234,6 +234,9 @@ def test_arm_labels_name_what_they_remove():
          "prune.arms[0].parts[0]: 'layout' is for unit heads only, not mlp"),
         ({"parts": [{"criterion": "taylor", "amount": -2}]}, "prune.arms[0].parts[0].amount: amount must be"),
         ({"unit": "mlp", "amount": 2}, "prune.arms[0]: missing 'criterion' (or give 'parts')"),
+        ({"criterion": "taylor", "unit": "mlp", "amount": 2, "rounds": 2},
+         "prune.arms[0]: rounds: 2 rounds need a heads-only arm; an arm removing mlp is pruned in one round"),
+        ({**MIXED, "rounds": 3}, "rounds: 3 rounds need a heads-only arm; an arm removing heads and mlp"),
     ],
 )  # fmt: skip
 def test_arm_units_and_parts_are_validated(arm, message):
@@ -277,33 +280,13 @@ def test_every_unit_amount_is_checked_from_the_config(any_unit_criterion, part, 
     assert str(err.value).startswith("prune.arms[1].parts[1].amount: ") and message in str(err.value)
 
 
-def test_amounts_the_model_can_meet_pass(any_unit_criterion, monkeypatch):
-    from sinv_prune import pipeline
-
-    monkeypatch.setattr(pipeline, "pruner_classes", lambda: ("Pruner", "Part"))  # as once sinv_prune.prune lands
+def test_amounts_the_model_can_meet_pass(any_unit_criterion):
     arms = [{"criterion": any_unit_criterion, "unit": "mlp", "amount": 94},
             {"criterion": any_unit_criterion, "unit": "mlp", "amount": 0.5, "mode": "uniform"},
             {"criterion": any_unit_criterion, "unit": "layers", "amount": 1},
             {"parts": [{"criterion": any_unit_criterion, "amount": 4},  # one query head per KV group
                        {"criterion": any_unit_criterion, "unit": "layers", "amount": 0.5}]}]  # fmt: skip
     assert len(preflight(validate_recipe({**with_change("prune.arms", arms), "model": LLAMA_MLP}))) == 2
-
-
-def test_mlp_layer_and_mixed_arms_are_refused_without_sinv_prune_prune(any_unit_criterion, monkeypatch):
-    from sinv_prune import pipeline
-
-    monkeypatch.setattr(pipeline, "pruner_classes", lambda: None)  # this build, before sinv_prune.prune
-    for arm, key, what in [
-        ({"criterion": any_unit_criterion, "unit": "mlp", "amount": 4}, "unit", "unit 'mlp'"),
-        ({"criterion": any_unit_criterion, "unit": "layers", "amount": 1}, "unit", "unit 'layers'"),
-        ({"parts": [{"criterion": "magnitude", "amount": 2}, {"criterion": "taylor", "amount": 2}]}, "parts",
-         "a mixed arm (parts)"),
-    ]:  # fmt: skip
-        recipe = validate_recipe(with_change("prune.arms", [{"criterion": "magnitude", "amount": 2}, arm]))
-        with pytest.raises(RecipeError) as err:
-            preflight(recipe)
-        assert str(err.value) == f"prune.arms[1].{key}: {what} needs sinv_prune.prune (not available in this build)"
-    preflight(validate_recipe(GOOD))  # heads arms run as before
 
 
 def test_the_resolved_recipe_of_unit_and_mixed_arms_loads_again(tmp_path):
