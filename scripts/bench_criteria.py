@@ -12,7 +12,7 @@ order: lowest C_Q pruned first), ``sinv_static_inv`` (``invert=True``: highest C
 
 Each arm: a fresh copy of the unpruned model, ``prune_heads``, test perplexity, a short fine-tune
 (the same for every arm and for the unpruned control: ``--finetune-steps`` AdamW steps on WikiText-2
-valid blocks, in the same order), test perplexity again. Perplexity: ``sinv_prune.evaluation.perplexity``,
+valid blocks, in the same order), test perplexity again. Perplexity: ``sinv_prune.pipeline.evaluation.perplexity``,
 non-overlapping windows of ``--seq-len`` over the first ``--eval-tokens`` tokens of test.txt (the
 lines joined by newlines, as the file is; SmolLM2's own tokenizer, no BOS). Perplexity and fine-tune
 run under bfloat16 autocast by default (float32 weights; 2-2.5x faster on this CPU's AMX units; the
@@ -48,9 +48,9 @@ import _bench_common as common  # noqa: E402
 
 import sinv_prune  # noqa: E402
 from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
-from sinv_prune.data import token_ids  # noqa: E402
-from sinv_prune.evaluation import perplexity  # noqa: E402
-from sinv_prune.pipeline import StoredScores  # noqa: E402
+from sinv_prune.pipeline.data import token_ids  # noqa: E402
+from sinv_prune.pipeline.evaluation import perplexity  # noqa: E402
+from sinv_prune.pipeline.stages import StoredScores  # noqa: E402
 
 #: (label, registry name, options); random gets one arm per seed.
 CRITERIA = [
@@ -146,7 +146,7 @@ def load(args):
 
 def tiny_stand_in(why: str, seed: int, max_chars: int = 400_000, vocab_size: int = 2000):
     """(tiny random LLaMA, word tokenizer trained on valid.txt, info): what a script runs without SmolLM2."""
-    from sinv_prune.data import train_tokenizer
+    from sinv_prune.pipeline.data import train_tokenizer
 
     lines = common.read_lines(common.wikitext_file("valid"), max_chars=max_chars)
     tokenizer = train_tokenizer(lines, kind="word", vocab_size=vocab_size)

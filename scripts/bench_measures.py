@@ -50,8 +50,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from sinv_prune import from_pretrained, get_adapter  # noqa: E402
-from sinv_prune.measures import ALL_KEYS, c_q, c_square, head_measures  # noqa: E402
-from sinv_prune.tracking import DEFAULT_EVERY_N_STEPS, ConvergenceCallback  # noqa: E402
+from sinv_prune.pipeline.tracking import DEFAULT_EVERY_N_STEPS, ConvergenceCallback  # noqa: E402
+from sinv_prune.scoring.measures import ALL_KEYS, c_q, c_square, head_measures  # noqa: E402
 
 TARGET = 0.02
 
@@ -273,7 +273,7 @@ def bench_overhead(names: list[str], steps: int, pairs: int, batch: int, seq: in
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for name in names:
-            quiet = logging.getLogger("sinv_prune.tracking")
+            quiet = logging.getLogger("sinv_prune.pipeline.tracking")
             level, quiet.level = quiet.level, logging.ERROR  # the short warm-up run trips the 2% warning
             try:
                 _train_once(name, min(steps, 20), True, workdir, batch, seq)  # warm-up (imports, kernels)

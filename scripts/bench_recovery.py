@@ -14,7 +14,7 @@ Rows, each on a fresh copy of the unpruned model:
   calibration=, compensate=)``, then test perplexity;
 * for the criterion whose one-shot + lsq row is best in each cut: ``N`` steps of LM fine-tune, ``N`` steps of
   distillation (``alpha * T^2 * KL + (1 - alpha) * LM``, teacher the unpruned model), both through
-  ``sinv_prune.training.run_trainer`` (the recipes' Trainer path), and iterative pruning (3 rounds, each
+  ``sinv_prune.pipeline.training.run_trainer`` (the recipes' Trainer path), and iterative pruning (3 rounds, each
   re-scoring the pruned model; with ``lsq`` each round's ``prune_heads`` compensates, so every round is
   refitted against the model as it was before that round). Each with and without lsq.
 * references: the unpruned model (one-shot rows' ratio) and the unpruned model LM-fine-tuned the same ``N``
@@ -22,7 +22,7 @@ Rows, each on a fresh copy of the unpruned model:
 
 Data: calibration (for lsq / bias and for the data-driven criteria ``taylor`` and ``activation``) is the first
 ``--calib-batches`` x ``--calib-seq-len`` tokens of WikiText-2 valid.txt; fine-tune blocks are the valid.txt
-tokens after them. Perplexity: ``sinv_prune.evaluation.perplexity`` over the first ``--eval-tokens`` tokens of
+tokens after them. Perplexity: ``sinv_prune.pipeline.evaluation.perplexity`` over the first ``--eval-tokens`` tokens of
 test.txt in non-overlapping windows of ``--seq-len``. ``--quick`` uses a tiny random LLaMA (structure only).
 
     OMP_NUM_THREADS=2 python scripts/bench_recovery.py --threads 2 --plot docs/bench_recovery.png --json r.json
@@ -53,11 +53,11 @@ import _bench_common as common  # noqa: E402
 from bench_criteria import stream, tiny_stand_in  # noqa: E402
 
 from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
-from sinv_prune.data import lm_blocks  # noqa: E402
-from sinv_prune.evaluation import perplexity  # noqa: E402
-from sinv_prune.pipeline import StoredScores  # noqa: E402
-from sinv_prune.recipe import FinetuneSpec  # noqa: E402
-from sinv_prune.training import run_trainer  # noqa: E402
+from sinv_prune.pipeline.data import lm_blocks  # noqa: E402
+from sinv_prune.pipeline.evaluation import perplexity  # noqa: E402
+from sinv_prune.pipeline.recipe import FinetuneSpec  # noqa: E402
+from sinv_prune.pipeline.stages import StoredScores  # noqa: E402
+from sinv_prune.pipeline.training import run_trainer  # noqa: E402
 
 ALL_CRITERIA = ("random", "magnitude", "taylor", "activation", "sinv_gauge")
 OPTIONS = {"random": {"seed": 0}, "magnitude": {"p": 2}}

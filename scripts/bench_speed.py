@@ -22,7 +22,7 @@ layer) and ``depth 25%`` (every fourth layer; shapes with fewer than 4 layers sk
 target: the measured forward speed-up (CPU time where measured, else wall) is at least 90% of the
 FLOP-predicted one for every cut; the forward table has the ratio and the line after it the verdict.
 
-* Forward: ``sinv_prune.evaluation.compare_speed(unpruned, pruned)``: warm-up, then repetitions that
+* Forward: ``sinv_prune.pipeline.evaluation.compare_speed(unpruned, pruned)``: warm-up, then repetitions that
   alternate which model runs first (ABBA), median of the per-repetition ratios; batch ``--batch`` x
   ``--seq-len`` random tokens, ``use_cache=False``, ``torch.inference_mode``. Next to it the speed-up
   the removed FLOPs predict (``forward_flops`` in ``_bench_common.py``: projections, causal attention,
@@ -60,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as common  # noqa: E402
 
 from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
-from sinv_prune.evaluation import compare_speed  # noqa: E402
-from sinv_prune.pipeline import StoredScores  # noqa: E402
+from sinv_prune.pipeline.evaluation import compare_speed  # noqa: E402
+from sinv_prune.pipeline.stages import StoredScores  # noqa: E402
 
 MiB = 2**20
 

@@ -27,8 +27,8 @@ import transformers  # noqa: E402
 
 import sinv_prune  # noqa: E402
 from sinv_prune.arch import get_adapter  # noqa: E402
-from sinv_prune.compensation import DEFAULT_RIDGE  # noqa: E402
-from sinv_prune.evaluation import perplexity  # noqa: E402
+from sinv_prune.pipeline.evaluation import perplexity  # noqa: E402
+from sinv_prune.surgery.compensation import DEFAULT_RIDGE  # noqa: E402
 
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
 

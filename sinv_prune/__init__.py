@@ -1,18 +1,18 @@
 """sinv_prune: find and physically remove attention heads (and MLP channels, layers) from transformers models."""
 
 from sinv_prune.arch import get_adapter, register_adapter, supported_model_types
-from sinv_prune.checkpoint import from_pretrained
-from sinv_prune.criteria import Criterion, available_criteria, get_criterion, register_criterion
-from sinv_prune.diagnostics import plot_trace, summarize_trace, time_to_threshold
-from sinv_prune.gates import channel_gates, head_gates
-from sinv_prune.hub import push_pruned
-from sinv_prune.measures import head_measures
-from sinv_prune.pruner import HeadPruner, Part, Pruner
-from sinv_prune.selection import select_heads
-from sinv_prune.selection_units import select_channels, select_layers
-from sinv_prune.surgery import PruneSummary, count_parameters, prune, prune_heads
+from sinv_prune.hub.push import push_pruned
+from sinv_prune.pipeline.tracking import ConvergenceCallback, HeadFreezer, stop_rule, track
+from sinv_prune.scoring.criteria import Criterion, available_criteria, get_criterion, register_criterion
+from sinv_prune.scoring.diagnostics import plot_trace, summarize_trace, time_to_threshold
+from sinv_prune.scoring.gates import channel_gates, head_gates
+from sinv_prune.scoring.measures import head_measures
+from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
+from sinv_prune.scoring.selection import select_heads
+from sinv_prune.scoring.selection_units import select_channels, select_layers
+from sinv_prune.surgery.checkpoint import from_pretrained
+from sinv_prune.surgery.removal import PruneSummary, count_parameters, prune, prune_heads
 from sinv_prune.symmetry import ECD, add_symmetry_breaking, build_optimizer, restore_symmetry_breaking
-from sinv_prune.tracking import ConvergenceCallback, HeadFreezer, stop_rule, track
 from sinv_prune.version import __version__
 
 __all__ = [

@@ -24,7 +24,7 @@ class UsageError(click.ClickException):
     exit_code = 2
 
     def show(self, file=None) -> None:
-        from sinv_prune.ranks import main_by_env
+        from sinv_prune.pipeline.ranks import main_by_env
 
         if main_by_env():  # under a launcher every process stops with the error; one says it
             click.echo(f"error: {self.message}", err=True)
@@ -97,8 +97,8 @@ def main() -> None:
 )
 def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, threads, keep_checkpoints):
     """Run RECIPE (a YAML file or a built-in name) into a run directory."""
-    from sinv_prune.recipe import RecipeError, load_recipe
-    from sinv_prune.threads import parse_threads
+    from sinv_prune.pipeline.recipe import RecipeError, load_recipe
+    from sinv_prune.pipeline.threads import parse_threads
 
     try:
         threads = parse_threads(threads)
@@ -127,8 +127,8 @@ def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, th
 def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str | None = "auto") -> None:
     import time
 
-    from sinv_prune.preflight import preflight
-    from sinv_prune.recipe import STAGES, RecipeError
+    from sinv_prune.pipeline.preflight import preflight
+    from sinv_prune.pipeline.recipe import STAGES, RecipeError
 
     start = time.perf_counter()
     try:
@@ -160,8 +160,8 @@ def _print_estimate(recipe, device: str | None, config_s: float, threads: int | 
     """
     import torch
 
-    from sinv_prune.estimate import estimate_stages, estimate_table, run_probe, split_tokens
-    from sinv_prune.threads import recipe_threads
+    from sinv_prune.pipeline.estimate import estimate_stages, estimate_table, run_probe, split_tokens
+    from sinv_prune.pipeline.threads import recipe_threads
 
     device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
     click.echo(f"probing {device} for a time estimate ...")
@@ -180,10 +180,10 @@ def _print_estimate(recipe, device: str | None, config_s: float, threads: int | 
 def _run(recipe, output: Path, **kwargs) -> None:
     import logging
 
-    from sinv_prune.pipeline import RunStageError, run_recipe
-    from sinv_prune.ranks import main_by_env
-    from sinv_prune.recipe import RecipeError
-    from sinv_prune.rundir import RunDirError
+    from sinv_prune.pipeline.ranks import main_by_env
+    from sinv_prune.pipeline.recipe import RecipeError
+    from sinv_prune.pipeline.rundir import RunDirError
+    from sinv_prune.pipeline.stages import RunStageError, run_recipe
 
     main = main_by_env()  # under torchrun / accelerate launch only the main process prints and cleans up
     fresh = main and not output.exists()
@@ -210,7 +210,7 @@ def _print_summary(results: dict, output: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from sinv_prune.report import format_cell, summary_rows
+    from sinv_prune.pipeline.report import format_cell, summary_rows
 
     rows = summary_rows(results)
     table = Table(title=f"sinv-prune: {output}", title_justify="left")
@@ -233,8 +233,8 @@ def _print_summary(results: dict, output: Path) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 def prune(source: str, output: Path, heads: str, gguf_file: str | None, allow_empty_layers: bool, overwrite: bool):
     """Remove HEADS from the model at SOURCE and save the smaller model to OUTPUT."""
-    from sinv_prune.checkpoint import from_pretrained
-    from sinv_prune.surgery import prune_heads
+    from sinv_prune.surgery.checkpoint import from_pretrained
+    from sinv_prune.surgery.removal import prune_heads
 
     request = parse_heads(heads)
     if output.exists() and not overwrite:
@@ -267,7 +267,7 @@ def info(source: str) -> None:
     """
     from transformers import AutoConfig
 
-    from sinv_prune.record import get_record
+    from sinv_prune.surgery.record import get_record
 
     path = _model_source(source)
     try:
@@ -294,8 +294,8 @@ def info(source: str) -> None:
 
 def _model_source(source: str, gguf_file: str | None = None) -> str:
     """The checkpoint SOURCE names, in any form ``push`` takes (RUN_DIR/ARM_NAME, RUN_DIR/arms/DIR, a
-    checkpoint directory), as :func:`sinv_prune.hub.resolve_source` finds it; other names are Hub ids."""
-    from sinv_prune.hub import PushError, resolve_source
+    checkpoint directory), as :func:`sinv_prune.hub.push.resolve_source` finds it; other names are Hub ids."""
+    from sinv_prune.hub.push import PushError, resolve_source
 
     path = Path(source)
     if gguf_file or path.is_file() or (path / "config.json").is_file():
@@ -361,7 +361,7 @@ def push(source: Path, repo_id: str, private: bool, revision, overwrite: bool, c
     """
     import logging
 
-    from sinv_prune.hub import PushError, push_pruned, resolve_source
+    from sinv_prune.hub.push import PushError, push_pruned, resolve_source
 
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))

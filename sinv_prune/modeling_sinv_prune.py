@@ -6,7 +6,7 @@ imports this file from the checkpoint, and it defers to the installed
 Classes are named ``SinvPruned<TransformersClass>``.
 """
 
-from sinv_prune.checkpoint import class_by_name
+from sinv_prune.surgery.checkpoint import class_by_name
 
 
 def __getattr__(name):

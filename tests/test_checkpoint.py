@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from test_surgery import LLAMA_FAMILY, close, fresh, head_removals, layouts, masked, padded_inputs
 
 import sinv_prune
-from sinv_prune.checkpoint import PREFIX
+from sinv_prune.surgery.checkpoint import PREFIX
 
 HEAD_AUTO = {
     "gpt2": "AutoModelForCausalLM",
@@ -131,7 +131,7 @@ def test_llama_fallback_to_remote_code_warns(tmp_path, caplog):
     ref = masked(model, "llama", {0: [0], 1: [1], 2: [2]})
     with caplog.at_level(logging.WARNING):
         sinv_prune.prune_heads(model, {0: [0], 1: [1], 2: [2]})
-    warnings = [r for r in caplog.records if r.name == "sinv_prune.checkpoint" and r.levelno == logging.WARNING]
+    warnings = [r for r in caplog.records if r.name == "sinv_prune.surgery.checkpoint" and r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "LlamaConfig refuses 5 heads" in warnings[0].getMessage()
     assert "trust_remote_code=True" in warnings[0].getMessage()

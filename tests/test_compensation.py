@@ -12,8 +12,8 @@ from conftest import model_inputs, model_output, tiny_model
 import sinv_prune
 from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import head_rows
-from sinv_prune.refit import ConsumerFit
-from sinv_prune.surgery import apply_layer, plan_removal
+from sinv_prune.surgery.refit import ConsumerFit
+from sinv_prune.surgery.removal import apply_layer, plan_removal
 
 # Heads removed per architecture: several layers, and under GQA a whole KV group (llama layer 1).
 HEADS = {
@@ -318,7 +318,7 @@ def test_compensated_models_save_and_reload(arch, heads, add_bias, tmp_path):
 def test_smollm2_lsq_compensation_improves_perplexity():
     from conftest import smollm2_gguf, wikitext
 
-    from sinv_prune.evaluation import perplexity
+    from sinv_prune.pipeline.evaluation import perplexity
 
     gguf = smollm2_gguf()
     valid, test = wikitext("valid"), wikitext("test")

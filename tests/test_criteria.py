@@ -11,8 +11,8 @@ import torch
 from conftest import ARCHS, model_inputs, tiny_model
 
 from sinv_prune import get_adapter, head_gates, head_measures, prune_heads
-from sinv_prune.criteria import _CRITERIA as REGISTRY
-from sinv_prune.criteria import (
+from sinv_prune.scoring.criteria import _CRITERIA as REGISTRY
+from sinv_prune.scoring.criteria import (
     ActivationCriterion,
     Criterion,
     MagnitudeCriterion,
@@ -22,7 +22,7 @@ from sinv_prune.criteria import (
     get_criterion,
     register_criterion,
 )
-from sinv_prune.trace import append_trace
+from sinv_prune.scoring.trace import append_trace
 
 BUILTIN = ["activation", "entropy", "magnitude", "random", "sinv_early", "sinv_gauge", "sinv_static", "taylor"]
 # A prior pruning per architecture: GQA-valid, and one layer emptied.

@@ -10,7 +10,7 @@ from conftest import model_inputs, model_output, tiny_model
 
 from sinv_prune import channel_gates, get_adapter, head_measures, prune_heads, select_layers
 from sinv_prune.arch.base import linear_weight
-from sinv_prune.criteria import (
+from sinv_prune.scoring.criteria import (
     BlockInfluenceCriterion,
     Criterion,
     MagnitudeCriterion,
@@ -18,7 +18,7 @@ from sinv_prune.criteria import (
     criterion_class,
     get_criterion,
 )
-from sinv_prune.criteria.base import frozen_parameters
+from sinv_prune.scoring.criteria.base import frozen_parameters
 
 EXPECTED_UNITS = {
     "random": ("heads", "mlp", "layers"),

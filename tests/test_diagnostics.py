@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from sinv_prune.diagnostics import (
+from sinv_prune.scoring.diagnostics import (
     find_plateau,
     layer_summary,
     loss_series,
@@ -18,7 +18,7 @@ from sinv_prune.diagnostics import (
     summarize_trace,
     time_to_threshold,
 )
-from sinv_prune.trace import append_trace
+from sinv_prune.scoring.trace import append_trace
 
 # Layer 0 converges (head 0 at step 20, head 1 at step 30), layer 1 head 0 dips below at step 30
 # and comes back up, layer 1 head 1 and layer 2 never do. The loss falls, then flattens from step 30.
@@ -147,7 +147,7 @@ def test_diagnostics_on_a_real_callback_trace(tmp_path):
     from conftest import tiny_model
 
     from sinv_prune import prune_heads
-    from sinv_prune.tracking import track
+    from sinv_prune.pipeline.tracking import track
 
     model = tiny_model("llama")
     prune_heads(model, {1: [0, 1, 2]})

@@ -1,4 +1,4 @@
-"""Distillation fine-tune (sinv_prune/distill.py): the loss, its masking, every optimizer, the recipe key, a run."""
+"""Distillation fine-tune (sinv_prune/pipeline/distill.py): loss, masking, every optimizer, recipe key, a run."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from test_training import word_tokenizer
 from transformers import TrainerCallback, TrainingArguments
 
 import sinv_prune
-from sinv_prune import pipeline
 from sinv_prune.cli import main
-from sinv_prune.data import lm_blocks
-from sinv_prune.distill import DistillClosureTrainer, DistillTrainer, distillation_kl
-from sinv_prune.preflight import preflight
-from sinv_prune.recipe import RecipeError, validate_recipe
+from sinv_prune.pipeline import stages as pipeline
+from sinv_prune.pipeline.data import lm_blocks
+from sinv_prune.pipeline.distill import DistillClosureTrainer, DistillTrainer, distillation_kl
+from sinv_prune.pipeline.preflight import preflight
+from sinv_prune.pipeline.recipe import RecipeError, validate_recipe
+from sinv_prune.pipeline.training import run_trainer
 from sinv_prune.symmetry import ECD
-from sinv_prune.training import run_trainer
 
 NO_DROPOUT = {
     "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
@@ -270,7 +270,7 @@ def test_every_optimizer_steps_on_the_distillation_loss(tmp_path, optimizer, mon
 def test_ecd_gets_the_closure_trainer_others_the_plain_one():
     from transformers import Trainer
 
-    from sinv_prune.distill import distill_trainer_class
+    from sinv_prune.pipeline.distill import distill_trainer_class
     from sinv_prune.symmetry import ClosureTrainer
 
     assert distill_trainer_class(ClosureTrainer) is DistillClosureTrainer

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from test_pipeline import TINY, invoke, recipe_file
 
-from sinv_prune import data as data_mod
-from sinv_prune import pipeline
-from sinv_prune.preflight import build_model
-from sinv_prune.recipe import validate_recipe
+from sinv_prune.pipeline import data as data_mod
+from sinv_prune.pipeline import stages as pipeline
+from sinv_prune.pipeline.preflight import build_model
+from sinv_prune.pipeline.recipe import validate_recipe
 
 pytestmark = pytest.mark.slow
 

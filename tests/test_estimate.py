@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sinv_prune.estimate import Probe, Timing, estimate_stages, format_seconds
-from sinv_prune.recipe import validate_recipe
+from sinv_prune.pipeline.estimate import Probe, Timing, estimate_stages, format_seconds
+from sinv_prune.pipeline.recipe import validate_recipe
 
 RECIPE = {
     "model": {"architecture": "gpt2", "config": {"n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64}},

@@ -1,4 +1,4 @@
-"""Perplexity, masked-LM loss, parameter breakdown and speed (sinv_prune.evaluation)."""
+"""Perplexity, masked-LM loss, parameter breakdown and speed (sinv_prune.pipeline.evaluation)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from conftest import ARCHS, VOCAB, tiny_model
 
 import sinv_prune
-from sinv_prune import evaluation
 from sinv_prune.arch import get_adapter
+from sinv_prune.pipeline import evaluation
 
 
 def stream(length: int, seed: int = 0) -> torch.Tensor:

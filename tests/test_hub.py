@@ -35,12 +35,12 @@ from huggingface_hub import constants
 from safetensors.torch import load_file, save_file
 
 import sinv_prune
-from sinv_prune import hub as hub_mod
 from sinv_prune.cli import main
-from sinv_prune.hub import PushError, hub_errors, push_pruned, resolve_source
-from sinv_prune.model_card import model_card
-from sinv_prune.recipe import recipe_to_yaml, validate_recipe
-from sinv_prune.surgery import count_parameters
+from sinv_prune.hub import push as hub_mod
+from sinv_prune.hub.model_card import model_card
+from sinv_prune.hub.push import PushError, hub_errors, push_pruned, resolve_source
+from sinv_prune.pipeline.recipe import recipe_to_yaml, validate_recipe
+from sinv_prune.surgery.removal import count_parameters
 
 TOKEN = "hf_StandInTokenThatMustNeverLeak42"
 WRONG = "hf_WrongTokenAlsoNeverPrinted777"
@@ -491,8 +491,8 @@ def test_a_hub_error_quoting_the_token_does_not_leak_it(hub, run_dir, monkeypatc
 def test_an_upload_error_quoting_the_token_does_not_leak_it(hub, run_dir, tmp_path, monkeypatch, caplog,
                                                             worker_in_process):  # fmt: skip
     """The recipe's push stage: the upload client fails after the reload check, quoting the token."""
-    from sinv_prune.pipeline import Run, RunStageError, _log_to_file, stage_push
-    from sinv_prune.rundir import RunDir
+    from sinv_prune.pipeline.rundir import RunDir
+    from sinv_prune.pipeline.stages import Run, RunStageError, _log_to_file, stage_push
 
     def fail(*args, **kwargs):
         raise OSError(f"upload rejected for {ODD}, Authorization: Bearer {ODD}\nretry later")
@@ -582,8 +582,8 @@ def test_card_of_an_unpruned_model_says_so():
 
 def test_recipe_push_stage_pushes_each_arm_once(hub, run_dir, worker_in_process):
     """The pipeline's push stage: repo id per arm, recorded in state.json, skipped when done."""
-    from sinv_prune.pipeline import Run, stage_push
-    from sinv_prune.rundir import RunDir
+    from sinv_prune.pipeline.rundir import RunDir
+    from sinv_prune.pipeline.stages import Run, stage_push
 
     recipe = yaml.safe_load((run_dir.root / "recipe.yaml").read_text())
     recipe["push"] = {"repo_id": "tester/tiny-{arm}", "private": True}
@@ -600,7 +600,7 @@ def test_recipe_push_stage_pushes_each_arm_once(hub, run_dir, worker_in_process)
 
 
 def test_push_spec_needs_an_arm_placeholder_for_several_arms():
-    from sinv_prune.recipe import RecipeError
+    from sinv_prune.pipeline.recipe import RecipeError
 
     data = {
         "model": {"path": "x/y"}, "data": {"synthetic": {}},

@@ -12,8 +12,9 @@ from conftest import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sinv_prune import get_adapter, head_measures, measures, prune_heads
-from sinv_prune.measures import ALL_KEYS, c_product, c_qk_gauge, measure_summary
+from sinv_prune import get_adapter, head_measures, prune_heads
+from sinv_prune.scoring import measures
+from sinv_prune.scoring.measures import ALL_KEYS, c_product, c_qk_gauge, measure_summary
 
 ATOL = 2e-5
 

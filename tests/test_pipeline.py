@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from transformers import TrainerCallback
 
 import sinv_prune
-from sinv_prune import pipeline
 from sinv_prune.cli import main
-from sinv_prune.recipe import validate_recipe
+from sinv_prune.pipeline import stages as pipeline
+from sinv_prune.pipeline.recipe import validate_recipe
 
 TINY = {
     "name": "tiny",

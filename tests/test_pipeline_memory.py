@@ -9,9 +9,9 @@ import torch
 from test_pipeline import TINY
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
-from sinv_prune import pipeline
-from sinv_prune.evaluation import compare_speed, fits_together
-from sinv_prune.recipe import validate_recipe
+from sinv_prune.pipeline import stages as pipeline
+from sinv_prune.pipeline.evaluation import compare_speed, fits_together
+from sinv_prune.pipeline.recipe import validate_recipe
 
 
 def live_models() -> int:

@@ -24,11 +24,11 @@ from test_compensation import calibration
 from test_surgery import close, expected_param_drop, fresh, head_removals, layouts, masked, padded_inputs
 
 import sinv_prune
-import sinv_prune.surgery
+import sinv_prune.surgery.removal
 from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import linear_weight
-from sinv_prune.checkpoint import PREFIX
-from sinv_prune.record import get_record
+from sinv_prune.surgery.checkpoint import PREFIX
+from sinv_prune.surgery.record import get_record
 
 SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -215,13 +215,13 @@ def test_gpt2_with_depth_scaled_attention_refuses_layer_removal():
 
 
 def _fail_after_dropping(monkeypatch, model) -> None:
-    original = sinv_prune.surgery.drop_layers
+    original = sinv_prune.surgery.removal.drop_layers
 
     def drop_then_fail(*args):
         original(*args)
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(sinv_prune.surgery, "drop_layers", drop_then_fail)
+    monkeypatch.setattr(sinv_prune.surgery.removal, "drop_layers", drop_then_fail)
 
 
 def _fail_on_second_mlp(monkeypatch, model) -> None:
@@ -490,7 +490,7 @@ def test_cli_info_and_model_card_name_removed_blocks_and_channels(tmp_path):
     from click.testing import CliRunner
 
     from sinv_prune.cli import main
-    from sinv_prune.model_card import model_card
+    from sinv_prune.hub.model_card import model_card
 
     model = fresh("gpt2")
     sinv_prune.prune(model, {"heads": {0: [1]}, "mlp": {0: [0, 1, 2]}, "layers": [1]})

@@ -11,13 +11,14 @@ import torch
 import yaml
 from conftest import model_inputs, model_output, tiny_model
 
-from sinv_prune import channel_gates, get_adapter, head_gates, head_measures, prune_heads, surgery
-from sinv_prune.criteria import BlockInfluenceCriterion, Criterion, RandomCriterion, get_criterion
-from sinv_prune.pruner import HeadPruner, Part, Pruner
-from sinv_prune.recipe import validate_recipe
-from sinv_prune.record import get_record
-from sinv_prune.selection import model_layouts, select_heads
-from sinv_prune.surgery import PruneSummary
+from sinv_prune import channel_gates, get_adapter, head_gates, head_measures, prune_heads
+from sinv_prune.pipeline.recipe import validate_recipe
+from sinv_prune.scoring.criteria import BlockInfluenceCriterion, Criterion, RandomCriterion, get_criterion
+from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
+from sinv_prune.scoring.selection import model_layouts, select_heads
+from sinv_prune.surgery import removal as surgery
+from sinv_prune.surgery.record import get_record
+from sinv_prune.surgery.removal import PruneSummary
 
 
 def masked_output(model, heads: dict[int, list[int]], inputs) -> torch.Tensor:

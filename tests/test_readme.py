@@ -9,7 +9,7 @@ import huggingface_hub
 import pytest
 from conftest import smollm2_gguf
 
-from sinv_prune.record import get_record
+from sinv_prune.surgery.record import get_record
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -12,10 +12,17 @@ from click.testing import CliRunner
 from conftest import tiny_model
 
 from sinv_prune.cli import main
-from sinv_prune.pipeline import arm_heads
-from sinv_prune.preflight import preflight
-from sinv_prune.recipe import ArmSpec, RecipeError, apply_override, builtin_recipes, load_recipe, validate_recipe
-from sinv_prune.selection import DEFAULT_LAYOUT, LAYOUTS
+from sinv_prune.pipeline.preflight import preflight
+from sinv_prune.pipeline.recipe import (
+    ArmSpec,
+    RecipeError,
+    apply_override,
+    builtin_recipes,
+    load_recipe,
+    validate_recipe,
+)
+from sinv_prune.pipeline.stages import arm_heads
+from sinv_prune.scoring.selection import DEFAULT_LAYOUT, LAYOUTS
 
 GOOD = {
     "name": "tiny",
@@ -174,7 +181,7 @@ def test_shipped_recipes_validate():
 
 def registered(name: str, units: tuple[str, ...]):
     """A criterion registered as ``name`` for ``units`` while the test runs (real ones declare theirs)."""
-    from sinv_prune.criteria import _CRITERIA, Criterion, register_criterion
+    from sinv_prune.scoring.criteria import _CRITERIA, Criterion, register_criterion
 
     register_criterion(name)(type(name, (Criterion,), {"units": units}))
     yield name
@@ -291,7 +298,7 @@ def test_amounts_the_model_can_meet_pass(any_unit_criterion):
 
 def test_the_resolved_recipe_of_unit_and_mixed_arms_loads_again(tmp_path):
     """recipe.yaml repeats every default (layout on an MLP arm, unit on a mixed one): it must still validate."""
-    from sinv_prune.recipe import recipe_to_yaml
+    from sinv_prune.pipeline.recipe import recipe_to_yaml
 
     arms = [{"criterion": "taylor", "unit": "mlp", "amount": 0.25, "multiple": 8}, MIXED]
     recipe = validate_recipe(with_change("prune.arms", arms))

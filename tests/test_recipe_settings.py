@@ -15,12 +15,13 @@ from test_pipeline import TINY, StopAfterFirstSave, invoke, recipe_file
 from transformers import TrainerCallback
 
 import sinv_prune
-from sinv_prune import data as data_mod
-from sinv_prune import estimate, pipeline
-from sinv_prune.model_settings import default_target_modules, input_device, load_kwargs, unloadable_reason
-from sinv_prune.preflight import build_model
-from sinv_prune.recipe import recipe_to_yaml, validate_recipe
-from sinv_prune.training import run_trainer
+from sinv_prune.pipeline import data as data_mod
+from sinv_prune.pipeline import estimate
+from sinv_prune.pipeline import stages as pipeline
+from sinv_prune.pipeline.model_settings import default_target_modules, input_device, load_kwargs, unloadable_reason
+from sinv_prune.pipeline.preflight import build_model
+from sinv_prune.pipeline.recipe import recipe_to_yaml, validate_recipe
+from sinv_prune.pipeline.training import run_trainer
 
 LLAMA = dict(
     vocab_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32, head_dim=8,

@@ -11,8 +11,8 @@ from conftest import tiny_model
 from matplotlib.collections import PathCollection
 from matplotlib.lines import Line2D
 
-from sinv_prune import evaluation
-from sinv_prune.report import SPEED_COLUMN, markdown_report, perplexity_vs_params_figure, summary_rows
+from sinv_prune.pipeline import evaluation
+from sinv_prune.pipeline.report import SPEED_COLUMN, markdown_report, perplexity_vs_params_figure, summary_rows
 
 
 def measured(monkeypatch, speedup: float, noise: list[float], repeats: int = 12) -> dict:
@@ -132,7 +132,7 @@ def test_tick_labels_are_plain_numbers(figure, ppls):
 @pytest.mark.parametrize("resolved", [False, True])
 def test_model_card_speed_sentence_follows_the_resolution(resolved):
     """The card never quotes a bare speed-up that the A/A control cannot tell from noise."""
-    from sinv_prune.model_card import _evaluation
+    from sinv_prune.hub.model_card import _evaluation
 
     speed = {
         "speedup_vs_baseline": 1.07, "speedup_iqr": [1.05, 1.09], "speedup_range": [0.9, 1.2],

@@ -15,7 +15,7 @@ from conftest import ARCHS, model_output, tiny_model
 from test_surgery import close, fresh, layouts, masked, padded_inputs
 
 import sinv_prune
-import sinv_prune.record
+import sinv_prune.surgery.record
 from sinv_prune.arch import get_adapter
 
 # ``cache`` (transformers 5.24), ``past_key_values`` (5.0 to 5.23), ``past_key_value`` and ``layer_past`` (4.x).
@@ -186,7 +186,7 @@ def _fail_on_record(monkeypatch, model) -> None:
     def set_record(config, record):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(sinv_prune.record, "set_record", set_record)
+    monkeypatch.setattr(sinv_prune.surgery.record, "set_record", set_record)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_model
 
-from sinv_prune.data import train_tokenizer
+from sinv_prune.pipeline.data import train_tokenizer
 from sinv_prune.symmetry import add_symmetry_breaking
 from sinv_prune.symmetry.report import alignment_report
 

@@ -9,10 +9,11 @@ import torch
 import transformers
 from click.testing import CliRunner
 
-from sinv_prune import pipeline, threads
 from sinv_prune.cli import main
-from sinv_prune.recipe import load_recipe
-from sinv_prune.threads import PARAMS_PER_THREAD, choose_threads, parse_threads
+from sinv_prune.pipeline import stages as pipeline
+from sinv_prune.pipeline import threads
+from sinv_prune.pipeline.recipe import load_recipe
+from sinv_prune.pipeline.threads import PARAMS_PER_THREAD, choose_threads, parse_threads
 
 
 @pytest.fixture

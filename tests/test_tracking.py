@@ -10,8 +10,8 @@ import transformers
 from conftest import VOCAB, model_inputs, tiny_model
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.trace import measurements, read_trace
-from sinv_prune.tracking import ConvergenceCallback, HeadFreezer, log_scalars, rule_max, stop_rule, track
+from sinv_prune.pipeline.tracking import ConvergenceCallback, HeadFreezer, log_scalars, rule_max, stop_rule, track
+from sinv_prune.scoring.trace import measurements, read_trace
 
 
 def _record(c_q, c_v, c_ff, **extra):
@@ -135,7 +135,7 @@ def test_attach_puts_scalars_in_front_of_reporting_callbacks(tmp_path):
 def test_callback_stops_training_when_rule_fires(tmp_path, caplog):
     cb = ConvergenceCallback(tmp_path / "trace.jsonl", every_n_steps=2, threshold=1.0, stop=True)
     trainer = _trainer(tmp_path, cb, max_steps=20)
-    with caplog.at_level(logging.WARNING, logger="sinv_prune.tracking"):
+    with caplog.at_level(logging.WARNING, logger="sinv_prune.pipeline.tracking"):
         trainer.train()
     assert trainer.state.global_step == 2 and cb.fired_at == 2
     lines = read_trace(tmp_path / "trace.jsonl")

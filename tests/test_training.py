@@ -13,10 +13,10 @@ from conftest import VOCAB, tiny_model
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from sinv_prune.cli import main
-from sinv_prune.data import lm_blocks
-from sinv_prune.recipe import RecipeError, load_recipe, recipe_to_yaml, validate_recipe
+from sinv_prune.pipeline.data import lm_blocks
+from sinv_prune.pipeline.recipe import RecipeError, load_recipe, recipe_to_yaml, validate_recipe
+from sinv_prune.pipeline.training import run_trainer
 from sinv_prune.symmetry import ECD, build_optimizer, get_symmetry_breaking
-from sinv_prune.training import run_trainer
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:

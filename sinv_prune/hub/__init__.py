@@ -1,0 +1,1 @@
+"""Publishing pruned models: push with a reload check, model cards."""

@@ -1,0 +1,1 @@
+"""The YAML recipe pipeline: spec, preflight, stages, training, evaluation, reports."""

@@ -1,0 +1,147 @@
+"""Distillation fine-tune: the pruned student learns the frozen teacher's logits, through ``transformers.Trainer``.
+
+The loss of a training batch (Hinton et al. 2015's convention, as Minitron and Sheared-LLaMA use it)::
+
+    loss = alpha * T**2 * KL(softmax(z_teacher / T) || softmax(z_student / T)) + (1 - alpha) * LM loss
+
+The KL is summed over the vocabulary and averaged over the tokens that carry a label: each position
+whose next token is a label for a causal LM (the LM loss's own shift), only the masked positions for
+a masked LM; ``-100`` labels (padding) never count. ``T**2`` keeps the gradient's scale independent
+of the temperature. ``alpha = 1`` is pure distillation, ``alpha = 0`` plain LM fine-tuning.
+
+:class:`DistillTrainer` (and :class:`DistillClosureTrainer` for ECD, whose step needs the loss)
+computes it in ``compute_loss``, so the Trainer's backward, gradient accumulation, clipping,
+optimizer step and ``accelerate launch`` apply unchanged. The teacher is an attribute of the trainer,
+not of the model: it is never wrapped by DDP, never saved in checkpoints; it runs in eval mode (so
+dropout is off and symmetry-breaking biases use their mean), without gradients, moved on first use
+to the trainer's device and the student's dtype. Evaluation batches keep the plain LM loss, so
+``eval_loss`` stays a perplexity.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from transformers import Trainer
+
+from sinv_prune.pipeline.recipe import Recipe, RecipeError
+from sinv_prune.symmetry.trainer import ClosureTrainer
+
+
+def distillation_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float,
+    causal: bool,
+) -> torch.Tensor:
+    """Mean over labelled tokens of ``KL(teacher_T || student_T)`` over the vocabulary (float32, no ``T**2``).
+
+    ``causal``: logits at position ``t`` predict token ``t + 1``, so a position counts when
+    ``labels[t + 1] != -100`` (the last position never does); otherwise when ``labels[t] != -100``.
+    Zero (with a gradient path) when no token counts.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"teacher logits {tuple(teacher_logits.shape)} do not match the student's {tuple(student_logits.shape)}"
+            " (the teacher needs the same vocabulary)"
+        )
+    if causal:
+        student_logits, teacher_logits, labels = student_logits[:, :-1], teacher_logits[:, :-1], labels[:, 1:]
+    keep = labels != -100
+    student = F.log_softmax(student_logits[keep].float() / temperature, dim=-1)
+    teacher = F.log_softmax(teacher_logits[keep].float() / temperature, dim=-1)
+    total = F.kl_div(student, teacher, log_target=True, reduction="sum")
+    return total / keep.sum().clamp(min=1)
+
+
+class DistillMixin:
+    """``compute_loss`` = ``alpha * T**2 * KL + (1 - alpha) * LM loss`` on training batches (see the module).
+
+    Both terms are means over this micro-batch's labelled tokens, so the Trainer divides the sum
+    by the gradient accumulation steps itself (``loss_is_scaled_for_ga = False``).
+    """
+
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, teacher: nn.Module, temperature: float = 2.0, alpha: float = 0.5, causal: bool, **kw):
+        if not temperature > 0:
+            raise ValueError(f"distillation temperature must be > 0, got {temperature}")
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"distillation alpha must be in [0, 1], got {alpha}")
+        self.teacher = teacher.eval().requires_grad_(False)
+        self.temperature, self.alpha, self.causal = float(temperature), float(alpha), causal
+        self._teacher_placed: tuple | None = None
+        self._distill_logged: list[torch.Tensor] = []
+        super().__init__(*args, **kw)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs.get("labels")
+        if labels is None:
+            raise ValueError("distillation needs 'labels' in the batch: they say which tokens count")
+        # No num_items_in_batch: the LM loss is this micro-batch's mean, like the KL term.
+        lm_loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
+        student_logits = outputs["logits"]
+        teacher_logits = self._teacher_logits(inputs).to(student_logits.device)
+        kl = distillation_kl(student_logits, teacher_logits, labels, temperature=self.temperature, causal=self.causal)
+        loss = self.alpha * self.temperature**2 * kl + (1 - self.alpha) * lm_loss
+        self._distill_logged.append(torch.stack([kl.detach(), lm_loss.detach().mean().float()]))
+        return (loss, outputs) if return_outputs else loss
+
+    @torch.no_grad()
+    def _teacher_logits(self, inputs: dict) -> torch.Tensor:
+        self._place_teacher()
+        self.teacher.eval()
+        return self.teacher(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+
+    def _place_teacher(self) -> None:
+        """Move the teacher to this process's device and the student's dtype (once; again if they change)."""
+        student = self.accelerator.unwrap_model(self.model)
+        dtype = next((p.dtype for p in student.parameters() if p.is_floating_point()), None)
+        target = (self.accelerator.device, dtype)
+        if self._teacher_placed != target:
+            if getattr(self.teacher, "hf_device_map", None) is not None:  # placed by a device_map: keep it there
+                self.teacher.to(dtype=dtype)
+            else:
+                self.teacher.to(device=target[0], dtype=dtype)
+            self._teacher_placed = target
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """Add the mean KL and LM loss of the training batches since the last log (this process's)."""
+        if "loss" in logs and self._distill_logged:
+            kl, lm = torch.stack(self._distill_logged).mean(dim=0).tolist()
+            logs = {**logs, "distill_kl": kl, "lm_loss": lm}
+            self._distill_logged = []
+        super().log(logs, *args, **kwargs)
+
+
+class DistillTrainer(DistillMixin, Trainer):
+    """A ``Trainer`` that fine-tunes by distillation from ``teacher`` (keyword arguments of :class:`DistillMixin`)."""
+
+
+class DistillClosureTrainer(DistillMixin, ClosureTrainer):
+    """:class:`DistillTrainer` for optimizers whose step needs the loss (ECD): the closure returns the combined loss."""
+
+
+def distill_trainer_class(base: type[Trainer]) -> type[Trainer]:
+    """The distilling variant of the Trainer class ``run_trainer`` would use."""
+    return DistillClosureTrainer if issubclass(base, ClosureTrainer) else DistillTrainer
+
+
+def check_teacher(recipe: Recipe) -> None:
+    """``RecipeError`` before any work when ``finetune.distill.teacher`` names a directory without a checkpoint."""
+    distill = recipe.finetune.distill if recipe.finetune is not None else None
+    if distill is None or distill.teacher == "base":
+        return
+    path = Path(recipe.resolve(distill.teacher))
+    if not (path / "config.json").is_file():
+        raise RecipeError(
+            f"finetune.distill.teacher: {path} is not a checkpoint directory (no config.json); "
+            "give 'base' or a saved model's directory"
+        )

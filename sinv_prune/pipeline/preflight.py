@@ -1,0 +1,276 @@
+"""Everything checked before a run creates its directory, and the starting model's construction.
+
+A recipe that cannot run fails here with a :class:`~sinv_prune.pipeline.recipe.RecipeError` naming
+the key: missing files, unknown criteria, unsupported architectures, arms that may empty layers
+(``min_heads_per_layer: 0``) without ``prune.allow_empty_layers: true``, and arm parts whose amount
+the model's heads (GQA groups, the arm's layout), MLP channels or layers cannot meet.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from sinv_prune.arch import get_adapter
+from sinv_prune.arch.base import HeadAdapter, HeadLayout
+from sinv_prune.pipeline.recipe import SCRATCH_ARCHITECTURES, Recipe, RecipeError
+
+
+def is_masked_lm(model: nn.Module) -> bool:
+    return type(model).__name__.removeprefix("SinvPruned").endswith("ForMaskedLM")
+
+
+def scratch_config(recipe: Recipe, vocab_size: int | None = None, tokenizer=None):
+    """The config of a model trained from scratch, sized by the recipe and the tokenizer."""
+    config_name, _ = SCRATCH_ARCHITECTURES[recipe.model.architecture]
+    extra = {}
+    if tokenizer is not None:
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(tokenizer, key, None)
+            if value is not None:
+                extra[key] = value
+    if vocab_size is not None:
+        extra["vocab_size"] = vocab_size
+    try:
+        return getattr(transformers, config_name)(**{**recipe.model.config, **extra})
+    except (TypeError, ValueError) as err:
+        raise RecipeError(f"model.config: {' '.join(str(err).split())}") from None
+
+
+def build_model(recipe: Recipe, vocab_size: int | None = None, tokenizer=None) -> nn.Module:
+    """The starting model: built from scratch (seeded) or loaded with ``sinv_prune.from_pretrained``."""
+    from sinv_prune.pipeline.model_settings import load_kwargs, torch_dtype
+    from sinv_prune.surgery.checkpoint import from_pretrained
+
+    spec = recipe.model
+    if spec.scratch:
+        torch.manual_seed(recipe.seed)
+        model_cls = getattr(transformers, SCRATCH_ARCHITECTURES[spec.architecture][1])
+        config = scratch_config(recipe, vocab_size, tokenizer)
+        if spec.attn_implementation is None:
+            model = model_cls(config)
+        else:
+            model = model_cls._from_config(config, attn_implementation=spec.attn_implementation)
+        dtype = torch_dtype(recipe)
+        return model if dtype is None else model.to(dtype)  # initialised in float32 whatever the dtype
+    kwargs = {k: v for k, v in (("gguf_file", spec.gguf_file), ("revision", spec.revision)) if v}
+    return from_pretrained(recipe.resolve(spec.path), **kwargs, **load_kwargs(recipe))
+
+
+def meta_adapter(recipe: Recipe) -> HeadAdapter:
+    """The adapter of the starting model, built from its config alone (weights on the meta device)."""
+    config, cls = starting_config(recipe)
+    with torch.device("meta"):
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    try:
+        return get_adapter(model)
+    except ValueError as err:
+        raise RecipeError(f"model: {err}") from None
+
+
+def head_layouts(recipe: Recipe) -> list[HeadLayout]:
+    """The starting model's head layouts, from its config alone."""
+    adapter = meta_adapter(recipe)
+    return [adapter.layout(i) for i in range(adapter.num_layers)]
+
+
+def check_compensation(recipe: Recipe, adapter: HeadAdapter) -> None:
+    """Each arm's compensation and rounds, against the starting model (before any training)."""
+    from sinv_prune.scoring.criteria import criterion_class
+    from sinv_prune.surgery import compensation
+
+    for i, arm in enumerate(recipe.prune.arms):
+        traced = [p.criterion for p in arm.part_specs if criterion_class(p.criterion).needs_trace]
+        if arm.rounds > 1 and traced:
+            raise RecipeError(
+                f"prune.arms[{i}].rounds: {traced[0]} scores from the training trace, which cannot re-score "
+                "an already pruned model; use rounds: 1"
+            )
+        if arm.compensate is None:
+            continue
+        options = {"ridge": compensation.DEFAULT_RIDGE, **arm.compensate.prune_options()}
+        try:
+            compensation.check_options(
+                adapter.model, adapter, options["compensate"], [], options["ridge"], options["add_bias"]
+            )
+        except ValueError as err:
+            raise RecipeError(f"prune.arms[{i}].compensate: {_first_line(err)}") from None
+
+
+def check_symmetry_breaking(recipe: Recipe, adapter: HeadAdapter) -> None:
+    """Symmetry breaking only where a checkpoint can carry E[b] (see :mod:`sinv_prune.symmetry.folding`)."""
+    from sinv_prune.symmetry.folding import fold_plan
+
+    for stage in ("train", "finetune"):
+        spec = getattr(recipe, stage)
+        setting = spec.symmetry_breaking if spec is not None else None
+        if setting is None:
+            continue
+        kinds = tuple(k for k in ("q", "v") if getattr(setting, f"b_{k}") is not None)
+        if not kinds:
+            raise RecipeError(f"{stage}.symmetry_breaking: b_q and b_v are both null: nothing to add")
+        try:
+            for layer in range(adapter.num_layers):
+                fold_plan(adapter.attention(layer), adapter.model.config, kinds)
+        except ValueError as err:
+            raise RecipeError(f"{stage}.symmetry_breaking: {_first_line(err)}") from None
+
+
+def starting_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, type]:
+    """The starting model's config and class, read without loading any weights."""
+    from sinv_prune.surgery.checkpoint import model_class, pruned_class
+    from sinv_prune.surgery.record import get_record
+
+    spec = recipe.model
+    if spec.scratch:
+        config = scratch_config(recipe)  # the config's own vocabulary: only head sizes matter here
+        cls = getattr(transformers, SCRATCH_ARCHITECTURES[spec.architecture][1])
+    else:
+        path = recipe.resolve(spec.path)
+        _check_local_path(recipe)
+        if spec.gguf_file and not (Path(path) / spec.gguf_file).is_file() and Path(path).is_dir():
+            raise RecipeError(f"model.gguf_file: {Path(path) / spec.gguf_file} does not exist")
+        kwargs = {k: v for k, v in (("gguf_file", spec.gguf_file), ("revision", spec.revision)) if v}
+        try:
+            config = copy.deepcopy(_read_config(path, tuple(sorted(kwargs.items())), _stamp(path, spec.gguf_file)))
+        except (OSError, ValueError) as err:
+            raise RecipeError(f"model.path: cannot load a config from {path!r} ({_first_line(err)})") from None
+        record = get_record(config)
+        cls = model_class(config, record, gguf=bool(spec.gguf_file))
+        if record is not None and not record.stock_layout:
+            cls = pruned_class(cls)
+    return config, cls
+
+
+@functools.lru_cache(maxsize=8)
+def _read_config(path: str, kwargs: tuple, stamp: int | None) -> transformers.PretrainedConfig:
+    # Cached: reading a GGUF file's config takes seconds, and a dry run reads it twice.
+    return transformers.AutoConfig.from_pretrained(path, **dict(kwargs))
+
+
+def _stamp(path: str, gguf_file: str | None) -> int | None:
+    """When the config (or GGUF) file last changed, so that the cache never serves a stale config."""
+    local = Path(path) / (gguf_file or "config.json")
+    return local.stat().st_mtime_ns if local.is_file() else None
+
+
+def looks_like_path(text: str, base_dir: Path | None = None) -> bool:
+    """Whether a model source names a local directory rather than a Hub id (``name`` or ``org/name``).
+
+    Paths: ``./x``, ``../x``, ``/x``, ``~/x``, anything with more than one slash (or a backslash
+    on Windows), and ``dir/name`` where ``dir`` exists under ``base_dir``.
+    """
+    if text.startswith(("./", "../", "~")) or text in (".", "..") or os.path.isabs(text):
+        return True
+    if (os.sep != "/" and os.sep in text) or text.count("/") > 1:
+        return True
+    return "/" in text and base_dir is not None and (base_dir / text.split("/", 1)[0]).is_dir()
+
+
+def _check_local_path(recipe: Recipe) -> None:
+    """A missing local ``model.path`` says so, instead of failing as an unknown Hub repo id."""
+    raw = recipe.model.path
+    if raw.startswith("pkg://") or not looks_like_path(raw, recipe._base_dir):
+        return
+    local = Path(raw).expanduser()
+    local = local if local.is_absolute() else recipe._base_dir / local
+    if not local.exists():
+        raise RecipeError(f"model.path: no such directory: {local}")
+
+
+def arm_parts(recipe: Recipe):
+    """``(key path, part)`` for every part of every arm: ``prune.arms[1]`` or ``prune.arms[1].parts[0]``."""
+    for i, arm in enumerate(recipe.prune.arms):
+        if arm.parts is None:
+            yield f"prune.arms[{i}]", arm.single_part()
+        else:
+            for j, part in enumerate(arm.parts):
+                yield f"prune.arms[{i}].parts[{j}]", part
+
+
+def preflight(recipe: Recipe) -> list[HeadLayout]:
+    """Check what can be checked before any work; returns the starting model's head layouts."""
+    from sinv_prune.pipeline.distill import check_teacher
+    from sinv_prune.pipeline.model_settings import check_model_settings
+    from sinv_prune.scoring.criteria import criterion_class
+
+    files = recipe.data.files
+    if files is not None:
+        for split in ("train", "valid", "test"):
+            value = getattr(files, split)
+            if value is not None and not Path(recipe.resolve(value)).is_file():
+                raise RecipeError(f"data.files.{split}: {recipe.resolve(value)} does not exist")
+    for where, part in arm_parts(recipe):
+        _check_criterion(criterion_class, part.criterion, f"{where}.criterion")
+        units = getattr(criterion_class(part.criterion), "units", ("heads",))
+        if part.unit not in units:
+            raise RecipeError(f"{where}.unit: criterion {part.criterion!r} scores {', '.join(units)}, not {part.unit}")
+        if part.unit == "heads" and part.min_heads_per_layer == 0 and not recipe.prune.allow_empty_layers:
+            raise RecipeError(
+                f"{where}.min_heads_per_layer: 0 lets layers lose every head; "
+                "set prune.allow_empty_layers: true to allow that (or keep min_heads_per_layer >= 1)"
+            )
+    for i, name in enumerate(recipe.score.criteria):
+        _check_criterion(criterion_class, name, f"score.criteria[{i}]")
+    check_teacher(recipe)
+    adapter = meta_adapter(recipe)
+    check_model_settings(recipe, adapter.model)
+    check_symmetry_breaking(recipe, adapter)
+    check_compensation(recipe, adapter)
+    layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
+    for where, part in arm_parts(recipe):
+        check_amount(part, adapter, layouts, f"{where}.amount")
+    return layouts
+
+
+def check_amount(part, adapter: HeadAdapter, layouts: list[HeadLayout], where: str) -> None:
+    """Whether the starting model has what ``part`` asks to remove (from its config: meta weights)."""
+    from sinv_prune.scoring.selection import select_heads
+
+    amount, layers = part.amount, adapter.num_layers
+    if part.unit == "layers":
+        if isinstance(amount, int) and amount >= layers:
+            raise RecipeError(f"{where}: {amount} layers requested, the model has {layers} (one must stay)")
+        return
+    if part.unit == "mlp":
+        total = sum(adapter.intermediate_size(layer) for layer in range(layers))
+        keep = part.min_channels_per_layer if part.min_channels_per_layer is not None else 1
+        most = total - keep * layers
+        if isinstance(amount, int) and amount > most:
+            raise RecipeError(
+                f"{where}: {amount} MLP channels requested, at most {most} can go "
+                f"({total} in {layers} layers, {keep} kept per layer)"
+            )
+        return
+    total = sum(lay.num_heads for lay in layouts)
+    if isinstance(amount, int) and amount > total:
+        raise RecipeError(f"{where}: {amount} heads requested, the model has {total}")
+    dummy = [[0.0] * lay.num_heads for lay in layouts]
+    try:
+        select_heads(
+            dummy,
+            amount,
+            layouts=layouts,
+            mode=part.mode,
+            layout=part.layout,
+            min_heads_per_layer=part.min_heads_per_layer,
+        )
+    except ValueError as err:
+        raise RecipeError(f"{where}: {_first_line(err)}") from None
+
+
+def _check_criterion(lookup, name: str, where: str) -> None:
+    try:
+        lookup(name)
+    except (KeyError, ValueError) as err:
+        raise RecipeError(f"{where}: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    return " ".join(str(err).split()).strip("'\"")

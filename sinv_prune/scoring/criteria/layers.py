@@ -1,0 +1,153 @@
+"""Whole-layer criteria: ShortGPT's block influence, and an S-invariant depth score."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from sinv_prune.arch import get_adapter
+from sinv_prune.scoring.criteria import register_criterion
+from sinv_prune.scoring.criteria.base import Criterion, batch_to, model_device, preserve_modes
+
+
+@register_criterion("block_influence")
+class BlockInfluenceCriterion(Criterion):
+    """Block influence (ShortGPT, Men et al. 2024): ``BI_l = 1 - mean_t cos(x_l(t), y_l(t))``.
+
+    ``x_l`` and ``y_l`` are the hidden states entering and leaving block ``l`` (forward hooks
+    on the blocks, so no final norm is mixed into the last block's output), ``t`` every
+    token with ``attention_mask != 0`` of every calibration batch (eval mode, no gradients,
+    float64 sums). A block that changes its input little has a low BI and goes first;
+    one that is the identity scores 0. Higher = keep.
+
+    .. code-block:: yaml
+
+        criterion: block_influence
+        unit: layers
+    """
+
+    needs_data = True
+    units = ("layers",)
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._cos: torch.Tensor | None = None
+        self.batches = 0
+        self.tokens = 0
+
+    def update(self, model: nn.Module, batch: Mapping[str, Any]) -> None:
+        blocks = get_adapter(model).layers()
+        batch = batch_to(batch, model_device(model))
+        batch.pop("labels", None)
+        mask = batch.get("attention_mask")
+        sums: dict[int, torch.Tensor] = {}
+        hooks = [
+            block.register_forward_hook(_cosine(sums, i, mask), with_kwargs=True) for i, block in enumerate(blocks)
+        ]
+        try:
+            with preserve_modes(model), torch.no_grad():
+                model(**batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        missing = [i for i in range(len(blocks)) if i not in sums]
+        if missing:
+            raise ValueError(f"block_influence: blocks {missing} were not called in the forward pass")
+        total = torch.stack([sums[i][0] for i in range(len(blocks))])
+        if self._cos is not None and self._cos.numel() != total.numel():
+            raise ValueError("block_influence: the layer count changed between batches; call reset() after pruning")
+        self._cos = total if self._cos is None else self._cos + total
+        self.tokens += int(sums[0][1])
+        self.batches += 1
+
+    def scores(self, model: nn.Module) -> list[float]:
+        if self._cos is None:
+            raise ValueError("block_influence: no batch seen; call update(model, batch) first")
+        if not self.tokens:
+            raise ValueError("block_influence: every token seen was padding (attention_mask == 0)")
+        if self._cos.numel() != get_adapter(model).num_layers:
+            raise ValueError("block_influence: the layer count changed since the batches were seen; call reset()")
+        return [float(1.0 - c) for c in (self._cos / self.tokens).cpu()]
+
+    def report(self) -> dict:
+        return {"batches": self.batches, "tokens": self.tokens}
+
+
+def _cosine(store: dict, index: int, mask):
+    """A forward hook adding up, over valid tokens, the cosine of the block's input and output."""
+
+    def hook(module, args, kwargs, output):
+        x = args[0] if args else kwargs["hidden_states"]
+        y = output[0] if isinstance(output, tuple | list) else output
+        cos = nn.functional.cosine_similarity(x.detach().double(), y.detach().double(), dim=-1)  # [B, T]
+        if isinstance(mask, torch.Tensor):
+            if tuple(mask.shape) != tuple(cos.shape):
+                raise ValueError(
+                    f"block_influence: attention_mask {tuple(mask.shape)} does not match tokens {tuple(cos.shape)}"
+                )
+            cos = cos[mask.to(cos.device) != 0]
+        store[index] = (cos.sum(), cos.numel())
+
+    return hook
+
+
+@register_criterion("sinv_depth")
+class SinvDepthCriterion(Criterion):
+    """S-invariant layer score from the NN6 measures: ``r_l = C_FF_l / mean_h C_Q_l^h``; score ``-r_l``.
+
+    ``C_FF`` (the MLP's linear path ``W_down W_up``) and ``C_Q`` (per head) are the paper's
+    distances from the S-invariant attractor (:func:`~sinv_prune.scoring.measures.head_measures`): 0
+    at the attractor (converged), 1 at the baseline. ``r_l`` is the MLP's distance relative to
+    the attention's in the same layer, so a layer scale shared by both cancels.
+
+    **Direction.** The paper reads a high ``C`` as "not converged" and reports that the deeper
+    layers stay there ("deeper transformer layers are undertrained"). The claim under test is
+    that such undertrained layers are the ones a model can spare, so the highest ``r_l`` (the
+    most undertrained by this measure) is removed first: the score is ``-r_l``. If the claim
+    holds, this criterion removes deep layers and beats ``random`` (and approaches
+    ``block_influence``); if not, it does not. ``invert=True`` scores ``+r_l`` (the most
+    converged layers go first), the control. Data-free.
+
+    A layer without heads has no ``C_Q``; the mean over all heads of the model stands in
+    (a model without heads raises). A zero denominator gives ``r = inf`` (``0`` if ``C_FF`` is 0 too).
+
+    .. code-block:: yaml
+
+        criterion: sinv_depth
+        unit: layers
+        options: {invert: false}
+    """
+
+    units = ("layers",)
+
+    def __init__(self, invert: bool = False):
+        self.invert = bool(invert)
+        self.ratios: list[float] | None = None
+
+    def scores(self, model: nn.Module) -> list[float]:
+        from sinv_prune.scoring.measures import head_measures
+
+        values = head_measures(model, keys=["C_Q", "C_FF"])
+        every = [float(v) for row in values["C_Q"] for v in row]
+        if not every:
+            raise ValueError("sinv_depth: the model has no attention heads, so no C_Q")
+        fallback = math.fsum(every) / len(every)
+        ratios = []
+        for layer, (row, c_ff) in enumerate(zip(values["C_Q"], values["C_FF"], strict=True)):
+            if c_ff is None:
+                raise ValueError(f"sinv_depth: layer {layer} has no C_FF (no MLP linear path)")
+            c_q = math.fsum(row) / len(row) if row else fallback
+            ratios.append(c_ff / c_q if c_q > 0 else (math.inf if c_ff > 0 else 0.0))
+        if any(math.isnan(r) for r in ratios):
+            raise ValueError("sinv_depth: a measure is NaN (non-finite weights)")
+        self.ratios = ratios
+        return [r if self.invert else -r for r in ratios]
+
+    def report(self) -> dict:
+        return {"invert": self.invert, "ratio": self.ratios}

@@ -1,0 +1,74 @@
+"""Weight magnitude per head: the classic data-free baseline (the paper's "magnitude pruning")."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sinv_prune.arch import get_adapter
+from sinv_prune.arch.base import linear_weight
+from sinv_prune.scoring.criteria import register_criterion
+from sinv_prune.scoring.criteria.base import Criterion, Scores
+
+
+@register_criterion("magnitude")
+class MagnitudeCriterion(Criterion):
+    """The ``p``-norm of all weights a head owns: its Q rows, K and V rows, and O columns.
+
+    Score of head ``h`` = ``||concat(W_Q^h, W_K^h, W_V^h, W_O^h)||_p`` (biases excluded),
+    so ``p=2`` is ``sqrt(sum of squared Frobenius norms)`` and ``p=1`` the sum of absolute
+    values. Under GQA the K and V slices are those of the KV head serving ``h`` (shared
+    by its group). Computed in float32 (float64 for float64 models).
+
+    ``unit="mlp"``: channel ``j`` owns row ``j`` of every module feeding the channels
+    (``adapter.mlp_in``: gate and up for gated MLPs) and column ``j`` of the down projection;
+    its score is the ``p``-norm of those weights together (biases excluded).
+
+    .. code-block:: yaml
+
+        criterion: magnitude
+        options: {p: 2}
+    """
+
+    units = ("heads", "mlp")
+
+    def __init__(self, p: float = 2):
+        if p not in (1, 2):
+            raise ValueError(f"magnitude: p must be 1 or 2, got {p!r}")
+        self.p = p
+
+    def scores(self, model: nn.Module) -> Scores:
+        adapter = get_adapter(model)
+        if self.unit == "mlp":
+            return [_channel_scores(adapter, layer, self.p) for layer in range(adapter.num_layers)]
+        out = []
+        with torch.no_grad():
+            for layer in range(adapter.num_layers):
+                layout = adapter.layout(layer)
+                if layout.num_heads == 0:
+                    out.append([])
+                    continue
+                w = adapter.projections(layer)
+                out.append(_layer_scores(w, layout.num_heads, layout.group_size, layout.head_dim, self.p))
+        return out
+
+
+def _layer_scores(w, heads: int, group: int, head_dim: int, p: float) -> list[float]:
+    dtype = torch.float64 if w.q.dtype == torch.float64 else torch.float32
+
+    def per_head(t: torch.Tensor, n: int) -> torch.Tensor:  # [n*d, D] -> [n] of sum |x|^p
+        return t.detach().to(dtype).abs().pow(p).reshape(n, head_dim, -1).sum(dim=(1, 2))
+
+    kv = per_head(w.k, heads // group) + per_head(w.v, heads // group)
+    total = per_head(w.q, heads) + per_head(w.o.t(), heads) + kv.repeat_interleave(group)
+    return [float(x) for x in total.pow(1 / p).double().cpu()]
+
+
+def _channel_scores(adapter, layer: int, p: float) -> list[float]:
+    """``||rows j of mlp_in, column j of mlp_out||_p`` per channel ``j``."""
+    down = linear_weight(adapter.mlp_out(layer)).detach()  # [D, I]
+    dtype = torch.float64 if down.dtype == torch.float64 else torch.float32
+    total = down.to(dtype).abs().pow(p).sum(0)
+    for module in adapter.mlp_in(layer):
+        total = total + linear_weight(module).detach().to(total.device, dtype).abs().pow(p).sum(1)
+    return [float(x) for x in total.pow(1 / p).double().cpu()]

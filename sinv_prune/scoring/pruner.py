@@ -1,0 +1,615 @@
+"""One call from criteria to a smaller model: score, select, remove (in one round or several).
+
+:class:`Pruner` cuts any mix of attention heads, MLP channels and whole layers (one
+:class:`Part` per unit) with ONE call to :func:`sinv_prune.surgery.removal.prune`;
+:class:`HeadPruner` is the heads-only form.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from sinv_prune.arch import get_adapter
+from sinv_prune.scoring.criteria import Criterion, Scores, TraceLike, criterion_class, get_criterion
+from sinv_prune.scoring.criteria.base import UNITS, channel_counts
+from sinv_prune.scoring.selection import DEFAULT_LAYOUT, MODES, _nonnegative, check_layout, model_layouts, select_heads
+from sinv_prune.scoring.selection_units import select_channels, select_layers
+from sinv_prune.surgery import compensation
+from sinv_prune.surgery import removal as surgery
+from sinv_prune.surgery.record import get_record
+from sinv_prune.surgery.removal import LayerChange, PruneSummary, count_parameters, prune_heads
+
+logger = logging.getLogger(__name__)
+
+#: ``between_rounds(model, round_index)``: called after round ``round_index`` (0-based) when another follows.
+RoundHook = Callable[[nn.Module, int], None]
+#: What :meth:`Pruner.select` returns and :func:`sinv_prune.surgery.removal.prune` takes (current numbering):
+#: ``{"heads": {layer: [heads]}, "mlp": {layer: [channels]}, "layers": [layers]}``, the units of the parts only.
+Plan = dict[str, Any]
+
+
+@dataclass
+class Part:
+    """One unit of a :class:`Pruner`: which criterion scores it, how much goes, and how it is selected.
+
+    ``unit`` is ``"heads"``, ``"mlp"`` (MLP channels) or ``"layers"``. ``criterion`` is a
+    registered name (built for ``unit`` with ``criterion_options``; a criterion taking a
+    ``seed`` gets the part's ``seed`` unless the options set one) or a
+    :class:`~sinv_prune.scoring.criteria.Criterion` instance scoring ``unit``. ``amount`` is an ``int``
+    count or a ``float`` fraction of the unit. The rest is passed to the unit's selection:
+
+    * heads: :func:`~sinv_prune.scoring.selection.select_heads` (``mode``, ``layout``,
+      ``min_per_layer`` = ``min_heads_per_layer``; 0 lets layers lose every head);
+    * mlp: :func:`~sinv_prune.scoring.selection_units.select_channels` (``mode``, ``multiple``,
+      ``min_per_layer`` = ``min_channels_per_layer`` >= 1);
+    * layers: :func:`~sinv_prune.scoring.selection_units.select_layers` (``min_per_layer`` = ``min_layers``
+      >= 1; ``mode`` must stay ``"global"``).
+
+    ``seed`` orders equal scores; ``exact`` raises instead of cutting less than ``amount``.
+    """
+
+    unit: str
+    criterion: str | Criterion
+    amount: int | float
+    mode: str = "global"
+    criterion_options: Mapping[str, Any] | None = None
+    layout: str = DEFAULT_LAYOUT
+    min_per_layer: int = 1
+    multiple: int = 1
+    seed: int = 0
+    exact: bool = False
+
+    def __post_init__(self):
+        if self.unit not in UNITS:
+            raise ValueError(f"unknown unit {self.unit!r}; choose one of {', '.join(UNITS)}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown selection mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        check_layout(self.layout)
+        if self.unit != "heads" and self.layout != DEFAULT_LAYOUT:
+            raise ValueError(f"layout applies to heads parts only, not {self.unit!r}")
+        if self.unit != "mlp" and self.multiple != 1:
+            raise ValueError(f"multiple applies to mlp parts only, not {self.unit!r}")
+        if self.unit == "layers" and self.mode != "global":
+            raise ValueError(f"a layers part has one score per layer; its mode must be 'global', got {self.mode!r}")
+        least = _nonnegative(self.min_per_layer, "min_per_layer")
+        if self.unit != "heads" and least < 1:
+            raise ValueError(f"min_per_layer must be at least 1 for {self.unit!r} (0 would empty the model or an MLP)")
+        if self.unit == "mlp" and (isinstance(self.multiple, bool) or _nonnegative(self.multiple, "multiple") < 1):
+            raise ValueError(f"multiple must be a positive integer, got {self.multiple!r}")
+        if isinstance(self.criterion, str):
+            options = dict(self.criterion_options or {})
+            if "seed" in inspect.signature(criterion_class(self.criterion)).parameters:
+                options.setdefault("seed", self.seed)
+            self.criterion = get_criterion(self.criterion, unit=self.unit, **options)
+        elif self.criterion_options:
+            raise ValueError("criterion_options only apply when criterion is given by name")
+        if not isinstance(self.criterion, Criterion):
+            raise TypeError(f"criterion must be a registered name or a Criterion, got {type(self.criterion).__name__}")
+        if self.criterion.unit != self.unit:
+            raise ValueError(
+                f"criterion {self.criterion.name!r} scores {self.criterion.unit!r}, not {self.unit!r} "
+                f"(build it with get_criterion(name, unit={self.unit!r}))"
+            )
+
+    def report(self) -> dict:
+        """The part's settings and its criterion's report (JSON-serialisable)."""
+        out = {
+            "unit": self.unit,
+            "criterion": self.criterion.name,
+            "criterion_report": self.criterion.report(),
+            "amount": self.amount,
+            "mode": self.mode,
+            "min_per_layer": self.min_per_layer,
+            "seed": self.seed,
+            "exact": self.exact,
+        }
+        if self.unit == "heads":
+            out["layout"] = self.layout
+        if self.unit == "mlp":
+            out["multiple"] = self.multiple
+        return out
+
+
+class Pruner:
+    """Criteria + selection + surgery for any mix of heads, MLP channels and layers, in one object.
+
+    ``parts``: one :class:`Part` per unit (at most one each). :meth:`prune` scores every part,
+    builds one plan and removes it with ONE call to :func:`sinv_prune.surgery.removal.prune`
+    (a heads-only plan goes through :func:`~sinv_prune.prune_heads`, the same removal).
+
+    **Mixed cuts.** Layers are selected first; heads and channels are then selected among the
+    layers that stay only (their scores in removed layers are left out), so each part removes
+    its amount on top of the removed layers. A ``float`` amount of heads or channels is then a
+    fraction of those in the remaining layers. Everything is numbered as the model is when
+    :meth:`select` is called.
+
+    **Rounds.** ``rounds > 1`` (re-score the pruned model between rounds, with
+    ``between_rounds(model, round_index)`` in between) works for a heads-only pruner, exactly
+    as :class:`HeadPruner` describes; a pruner with mlp or layers parts must use ``rounds=1``
+    (a clear error otherwise). ``compensate`` (a method of :mod:`sinv_prune.surgery.compensation`,
+    options in ``compensation_options``) is passed to the removal with the ``calibration``
+    batches. ``allow_empty_layers`` (default: the heads part's ``min_per_layer == 0``) lets
+    layers lose every head.
+
+    After a call: ``last_scores`` (``{unit: scores}``), ``last_selection`` (the plan) and
+    ``report()`` (per part).
+
+    >>> pruner = Pruner([Part("layers", "block_influence", 2), Part("mlp", "activation", 0.25, multiple=8)])
+    >>> summary = pruner.prune(model, batches=loader)
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[Part],
+        *,
+        rounds: int = 1,
+        between_rounds: RoundHook | None = None,
+        compensate: str | None = None,
+        compensation_options: Mapping[str, Any] | None = None,
+        allow_empty_layers: bool | None = None,
+    ):
+        parts = list(parts) if isinstance(parts, Sequence) and not isinstance(parts, str) else None
+        if not parts:
+            raise ValueError("a Pruner needs a non-empty list of Part")
+        for part in parts:
+            if not isinstance(part, Part):
+                raise ValueError(f"parts must be Part instances, got {type(part).__name__}")
+        units = [p.unit for p in parts]
+        if len(set(units)) != len(units):
+            raise ValueError(f"one part per unit; got units {units}")
+        self.parts = sorted(parts, key=lambda p: UNITS.index(p.unit) if p.unit != "layers" else -1)
+        self.rounds = _rounds(rounds)
+        if self.rounds > 1 and units != ["heads"]:
+            raise ValueError(
+                f"rounds > 1 is supported for heads-only pruners; parts {units} must be pruned in one round (rounds=1)"
+            )
+        if between_rounds is not None and not callable(between_rounds):
+            raise ValueError(f"between_rounds must be a callable (model, round_index), got {between_rounds!r}")
+        self.between_rounds = between_rounds
+        if compensate is not None and compensate not in compensation.METHODS:
+            raise ValueError(f"unknown compensation {compensate!r}; choose one of {', '.join(compensation.METHODS)}")
+        self.compensate = compensate
+        self.compensation_options = dict(compensation_options or {})
+        heads = self.part("heads")
+        if allow_empty_layers is None:
+            allow_empty_layers = heads is not None and heads.min_per_layer == 0
+        self.allow_empty_layers = bool(allow_empty_layers)
+        self.last_scores: dict[str, Scores] | None = None
+        self.last_selection: Plan | None = None
+        self.last_rounds: list[dict] = []
+
+    def part(self, unit: str) -> Part | None:
+        """The part pruning ``unit``, or ``None``."""
+        return next((p for p in self.parts if p.unit == unit), None)
+
+    def score(
+        self, model: nn.Module, batches: Iterable[Mapping[str, Any]] | None = None, trace: TraceLike | None = None
+    ) -> dict[str, Scores]:
+        """Every part's scores for ``model``, ``{unit: scores}`` (higher = keep)."""
+        if batches is not None and iter(batches) is batches and sum(p.criterion.needs_data for p in self.parts) > 1:
+            batches = list(batches)  # several criteria read them
+        self.last_scores = {p.unit: p.criterion.compute(model, batches, trace) for p in self.parts}
+        return self.last_scores
+
+    def select(
+        self,
+        model: nn.Module,
+        scores: Mapping[str, Scores] | None = None,
+        *,
+        batches: Iterable[Mapping[str, Any]] | None = None,
+        trace: TraceLike | None = None,
+    ) -> Plan:
+        """The plan for ``model``: layers first, then heads and channels among the remaining layers.
+
+        ``scores`` (``{unit: scores}``) are computed unless given.
+        """
+        if scores is None:
+            scores = self.score(model, batches, trace)
+        missing = [p.unit for p in self.parts if p.unit not in scores]
+        if missing:
+            raise ValueError(f"scores are missing for unit(s) {missing}")
+        plan: Plan = {}
+        adapter = get_adapter(model)
+        kept = list(range(adapter.num_layers))
+        layers = self.part("layers")
+        if layers is not None:
+            plan["layers"] = select_layers(
+                _layer_scores(scores["layers"], len(kept)),
+                layers.amount,
+                min_layers=layers.min_per_layer,
+                seed=layers.seed,
+            )
+            kept = [layer for layer in kept if layer not in plan["layers"]]
+        heads = self.part("heads")
+        if heads is not None:
+            plan["heads"] = self._select_heads(model, scores["heads"], heads.amount, heads.exact, kept)
+        mlp = self.part("mlp")
+        if mlp is not None:
+            rows = _per_layer(scores["mlp"], adapter.num_layers, "mlp")
+            sizes = channel_counts(model)
+            chosen = select_channels(
+                [sizes[layer] for layer in kept],
+                [rows[layer] for layer in kept],
+                mlp.amount,
+                mode=mlp.mode,
+                min_channels_per_layer=mlp.min_per_layer,
+                multiple=mlp.multiple,
+                seed=mlp.seed,
+                exact=mlp.exact,
+            )
+            plan["mlp"] = {kept[i]: channels for i, channels in chosen.items()}
+        self.last_selection = plan
+        return plan
+
+    def _select_heads(
+        self, model: nn.Module, scores: Scores, amount: int | float, exact: bool, kept: list[int] | None = None
+    ) -> dict[int, list[int]]:
+        """The heads part's selection, among the layers ``kept`` (all when ``None``)."""
+        part = self.part("heads")
+        layouts = model_layouts(model)
+        options = dict(mode=part.mode, layout=part.layout, min_heads_per_layer=part.min_per_layer, seed=part.seed)
+        if kept is None or len(kept) == len(layouts):
+            return select_heads(scores, amount, layouts=layouts, exact=exact, **options)
+        rows = _per_layer(scores, len(layouts), "heads")
+        chosen = select_heads(
+            [rows[layer] for layer in kept], amount, layouts=[layouts[layer] for layer in kept], exact=exact, **options
+        )
+        return {kept[i]: h for i, h in chosen.items()}
+
+    def prune(
+        self,
+        model: nn.Module,
+        batches: Iterable[Mapping[str, Any]] | None = None,
+        trace: TraceLike | None = None,
+        calibration: Iterable[Mapping[str, Any]] | None = None,
+    ) -> PruneSummary:
+        """Score, select and remove everything the parts ask for from ``model`` in place.
+
+        One plan, one removal call (per round, for heads-only rounds). With ``compensate`` set
+        the removal is compensated from ``calibration``; a missing ``calibration`` and every
+        selection error raise before any change.
+        """
+        if self.compensate is not None and calibration is None:
+            raise ValueError(f"compensate={self.compensate!r} needs calibration batches")
+        removal: dict[str, Any] = {}
+        if self.allow_empty_layers:
+            removal["allow_empty_layers"] = True
+        if self.compensate is not None:
+            removal.update(calibration=calibration, compensate=self.compensate, **self.compensation_options)
+        if [p.unit for p in self.parts] == ["heads"]:
+            return self._prune_heads(model, batches, trace, calibration, removal)
+        plan = self.select(model, batches=batches, trace=trace)  # raises before any change
+        if any(plan.values()):
+            summary = _apply(model, plan, **removal)
+        else:
+            params = count_parameters(model)
+            summary = PruneSummary([], params, params)
+        self.last_rounds = [
+            {
+                "round": 0,
+                "selection": _plan_json(plan),
+                "criterion_report": {p.unit: p.criterion.report() for p in self.parts},
+                "compensation": summary.compensation.to_dict() if summary.compensation is not None else None,
+            }
+        ]
+        return summary
+
+    def _prune_heads(self, model, batches, trace, calibration, removal) -> PruneSummary:
+        """Heads only, in ``rounds`` rounds (see :class:`HeadPruner`)."""
+        part = self.part("heads")
+        if self.rounds > 1 and batches is not None and iter(batches) is batches:
+            batches = list(batches)  # every round iterates them again
+        if self.rounds > 1 and "calibration" in removal and iter(calibration) is calibration:
+            removal["calibration"] = list(calibration)
+        kept_at_start = _kept_original(model)
+        first = self.select(model, batches=batches, trace=trace)["heads"]  # fixes the total; raises before any change
+        total = sum(map(len, first.values()))
+        summaries: list[PruneSummary] = []
+        self.last_rounds = []
+        for index in range(self.rounds):
+            remaining = total - sum(s.heads_removed for s in summaries)
+            if remaining == 0:
+                break
+            share = -(-remaining // (self.rounds - index))
+            if self.rounds == 1:
+                heads = first  # exactly one-shot
+            else:
+                if index:
+                    if self.between_rounds is not None:
+                        self.between_rounds(model, index - 1)
+                    self.score(model, batches, trace)
+                heads = self._round_heads(model, share, remaining)
+            if not heads:
+                logger.warning("sinv_prune: round %d can remove none of the %d heads left; stopping", index, remaining)
+                break
+            summaries.append(_apply(model, {"heads": heads}, **removal))
+            self.last_rounds.append(_round_entry(index, share, summaries[-1], part.criterion.report()))
+        summary = _combine(model, summaries, kept_at_start)
+        self.last_selection = {"heads": {c.layer: c.removed for c in summary.layers}}
+        return summary
+
+    def _round_heads(self, model: nn.Module, share: int, remaining: int) -> dict[int, list[int]]:
+        """The smallest valid cut of at least ``share`` heads and at most ``remaining``; ``{}`` if none."""
+        scores = self.last_scores["heads"]
+        self._select_heads(model, scores, 0, False)  # bad scores (shape, NaN) raise here, not below
+        for request in range(share, remaining + 1):
+            try:
+                return self._select_heads(model, scores, request, True)
+            except ValueError:
+                continue
+        return {}
+
+    def report(self) -> dict:
+        """Per part its settings and criterion report, plus the last plan and rounds (JSON-serialisable)."""
+        return {
+            "parts": [p.report() for p in self.parts],
+            "rounds": self.rounds,
+            "compensate": self.compensate,
+            "allow_empty_layers": self.allow_empty_layers,
+            "selection": _plan_json(self.last_selection or {}),
+            "per_round": self.last_rounds,
+        }
+
+    def __repr__(self) -> str:
+        return f"Pruner({self.parts!r}, rounds={self.rounds})"
+
+
+class HeadPruner:
+    """Criterion + selection + :func:`~sinv_prune.prune_heads` in one object (a :class:`Pruner` with one heads part).
+
+    ``criterion`` is a registered name (built with ``criterion_options``; a criterion
+    taking a ``seed`` gets the pruner's ``seed`` unless the options set one) or a
+    :class:`~sinv_prune.scoring.criteria.Criterion` instance. ``amount``, ``mode``, ``layout``,
+    ``min_heads_per_layer``, ``seed`` and ``exact`` mean what they mean in
+    :func:`~sinv_prune.scoring.selection.select_heads`; ``min_heads_per_layer=0`` lets layers
+    lose every head (``prune`` then passes ``allow_empty_layers=True``; a recipe asks for
+    that with ``prune.allow_empty_layers: true``). After a call, ``last_scores``,
+    ``last_selection`` and ``report()`` tell what was decided.
+
+    **Iterative pruning.** ``rounds=k`` reaches the amount in ``k`` rounds, each re-scoring the
+    already-pruned model (``batches`` are iterated once per round; a one-shot iterator is read
+    into a list first):
+
+    * The total is fixed first, on the model as given: the number of heads one-shot selection
+      would remove (a float amount is a fraction of the heads the model has when ``prune`` is
+      called, the unpruned count for a fresh model; ``exact`` and the shortfall warning apply
+      to this total).
+    * Round ``i`` asks for ``ceil(R / (k - i))`` heads, ``R`` the part of the total not yet
+      removed, and removes the smallest valid cut of at least that many (at most ``R``). "Valid"
+      is what :func:`~sinv_prune.scoring.selection.select_heads` allows with the pruner's ``mode``,
+      ``layout`` and ``min_heads_per_layer`` on the current model, so in ``uniform`` mode every
+      round is itself a uniform cut (all layers alike after each round). Where GQA groups or
+      uniform steps make a share unreachable, the round takes the next valid cut and the later
+      rounds get less; rounds with nothing left to remove are not run (12 heads in 3 rounds
+      where a uniform cut comes in steps of 6: shares 4 -> 6, then 3 -> 6, no third round).
+      Should no valid cut fit in what is left, pruning stops there with a warning.
+    * ``between_rounds(model, round_index)`` is called after every round that another round
+      follows (``k - 1`` times when all ``k`` run), before the re-scoring: the place to
+      compensate or fine-tune a few steps. Nothing runs after the last round; compensate or
+      fine-tune the result as after a one-shot cut.
+
+    ``rounds=1`` (default) is exactly one-shot pruning. ``prune`` returns one summary of all
+    rounds (``removed`` numbered as the model had its heads when ``prune`` was called);
+    ``last_selection`` is the same selection, and ``report()["per_round"]`` lists each round's
+    selection in the original (unpruned) numbering of the pruning record.
+
+    >>> pruner = HeadPruner("taylor", 0.25, mode="uniform", layout="q_per_group")
+    >>> summary = pruner.prune(model, batches=loader)
+
+    The same as a recipe arm:
+
+    .. code-block:: yaml
+
+        prune:
+          arms:
+            - criterion: taylor
+              amount: 0.25
+              mode: uniform
+              layout: q_per_group
+              min_heads_per_layer: 1
+    """
+
+    def __init__(
+        self,
+        criterion: str | Criterion,
+        amount: int | float,
+        *,
+        mode: str = "global",
+        layout: str = DEFAULT_LAYOUT,
+        min_heads_per_layer: int = 1,
+        seed: int = 0,
+        exact: bool = False,
+        criterion_options: Mapping[str, Any] | None = None,
+        rounds: int = 1,
+        between_rounds: RoundHook | None = None,
+        compensate: str | None = None,
+        compensation_options: Mapping[str, Any] | None = None,
+    ):
+        part = Part(
+            "heads",
+            criterion,
+            amount,
+            mode=mode,
+            criterion_options=criterion_options,
+            layout=layout,
+            min_per_layer=min_heads_per_layer,
+            seed=seed,
+            exact=exact,
+        )
+        self._pruner = Pruner(
+            [part],
+            rounds=rounds,
+            between_rounds=between_rounds,
+            compensate=compensate,
+            compensation_options=compensation_options,
+        )
+        self._part = part
+
+    # The settings, read from the one heads part and the pruner behind it.
+    criterion = property(lambda self: self._part.criterion)
+    amount = property(lambda self: self._part.amount)
+    mode = property(lambda self: self._part.mode)
+    layout = property(lambda self: self._part.layout)
+    min_heads_per_layer = property(lambda self: self._part.min_per_layer)
+    seed = property(lambda self: self._part.seed)
+    exact = property(lambda self: self._part.exact)
+    rounds = property(lambda self: self._pruner.rounds)
+    between_rounds = property(lambda self: self._pruner.between_rounds)
+    compensate = property(lambda self: self._pruner.compensate)
+    compensation_options = property(lambda self: self._pruner.compensation_options)
+    last_rounds = property(lambda self: self._pruner.last_rounds)
+
+    @property
+    def last_scores(self) -> Scores | None:
+        scores = self._pruner.last_scores
+        return None if scores is None else scores["heads"]
+
+    @property
+    def last_selection(self) -> dict[int, list[int]] | None:
+        plan = self._pruner.last_selection
+        return None if plan is None else plan["heads"]
+
+    def score(
+        self, model: nn.Module, batches: Iterable[Mapping[str, Any]] | None = None, trace: TraceLike | None = None
+    ) -> Scores:
+        """The criterion's scores for ``model`` (higher = keep), shaped like ``C_Q``."""
+        return self._pruner.score(model, batches, trace)["heads"]
+
+    def select(
+        self,
+        model: nn.Module,
+        scores: Scores | None = None,
+        *,
+        batches: Iterable[Mapping[str, Any]] | None = None,
+        trace: TraceLike | None = None,
+    ) -> dict[int, list[int]]:
+        """Heads to remove, ``{layer: [heads]}``; scores are computed unless given."""
+        given = None if scores is None else {"heads": scores}
+        return self._pruner.select(model, given, batches=batches, trace=trace)["heads"]
+
+    def prune(
+        self,
+        model: nn.Module,
+        batches: Iterable[Mapping[str, Any]] | None = None,
+        trace: TraceLike | None = None,
+        calibration: Iterable[Mapping[str, Any]] | None = None,
+    ) -> PruneSummary:
+        """Score, select and remove the heads from ``model`` in place, in ``rounds`` rounds.
+
+        With ``compensate`` set, every round's removal is compensated from ``calibration``
+        (see :func:`~sinv_prune.prune_heads`); a missing ``calibration`` raises before any change.
+        """
+        return self._pruner.prune(model, batches, trace, calibration)
+
+    def report(self) -> dict:
+        """The criterion's report plus the last selection (JSON-serialisable)."""
+        return {
+            "criterion": self.criterion.name,
+            "criterion_report": self.criterion.report(),
+            "amount": self.amount,
+            "mode": self.mode,
+            "layout": self.layout,
+            "min_heads_per_layer": self.min_heads_per_layer,
+            "seed": self.seed,
+            "rounds": self.rounds,
+            "compensate": self.compensate,
+            "selection": {str(k): v for k, v in (self.last_selection or {}).items()},
+            "per_round": self.last_rounds,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"HeadPruner({self.criterion!r}, amount={self.amount!r}, mode={self.mode!r}, layout={self.layout!r}, "
+            f"min_heads_per_layer={self.min_heads_per_layer}, seed={self.seed}, rounds={self.rounds})"
+        )
+
+
+def _apply(model: nn.Module, plan: Plan, **kw) -> PruneSummary:
+    """Remove ``plan`` from ``model``: :func:`~sinv_prune.prune_heads` for heads only, else ``surgery.prune``."""
+    if not plan.get("mlp") and not plan.get("layers"):
+        return prune_heads(model, plan.get("heads", {}), **kw)
+    return surgery.prune(model, plan, **kw)
+
+
+def _plan_json(plan: Plan) -> dict:
+    """A plan with string layer keys (JSON objects)."""
+    return {
+        unit: list(value) if unit == "layers" else {str(k): list(v) for k, v in value.items()}
+        for unit, value in plan.items()
+    }
+
+
+def _per_layer(scores, layers: int, unit: str) -> list:
+    """``scores`` checked to have one row per layer (the selection checks the rows)."""
+    if isinstance(scores, str) or not isinstance(scores, Sequence) or len(scores) != layers:
+        got = len(scores) if isinstance(scores, Sequence) else type(scores).__name__
+        raise ValueError(f"{unit} scores must be a list per layer of the {layers} layers, got {got}")
+    return list(scores)
+
+
+def _layer_scores(scores, layers: int) -> list:
+    """Layer scores checked to have one entry per layer."""
+    if isinstance(scores, str) or not isinstance(scores, Sequence) or len(scores) != layers:
+        got = len(scores) if isinstance(scores, Sequence) else type(scores).__name__
+        raise ValueError(f"layer scores must have one float for each of the {layers} layers, got {got}")
+    return list(scores)
+
+
+def _rounds(value) -> int:
+    if not isinstance(value, bool):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if value >= 1:
+                return value
+    raise ValueError(f"rounds must be a positive integer, got {value!r}")
+
+
+def _kept_original(model: nn.Module) -> list[list[int]]:
+    """Per current layer, the original (record) index of each head the model has now."""
+    record = get_record(model.config)
+    if record is not None:
+        return [record.kept_heads(layer) for layer in record.kept_layers()]
+    return [list(range(lay.num_heads)) for lay in model_layouts(model)]
+
+
+def _round_entry(index: int, share: int, summary: PruneSummary, criterion_report: dict) -> dict:
+    """One round for ``report()``: what it asked for, what it removed (original numbering)."""
+    return {
+        "round": index,
+        "requested": share,
+        "heads_removed": summary.heads_removed,
+        "selection": {str(c.layer): c.removed_original for c in summary.layers},
+        "criterion_report": criterion_report,
+        "compensation": summary.compensation.to_dict() if summary.compensation is not None else None,
+    }
+
+
+def _combine(model: nn.Module, summaries: list[PruneSummary], kept_at_start: list[list[int]]) -> PruneSummary:
+    """One summary of several rounds, ``removed`` numbered as the layers were before the first round."""
+    if len(summaries) == 1:
+        return summaries[0]
+    if not summaries:
+        params = count_parameters(model)
+        return PruneSummary([], params, params)
+    removed: dict[int, set[int]] = {}
+    for summary in summaries:
+        for change in summary.layers:
+            removed.setdefault(change.layer, set()).update(change.removed_original)
+    adapter = get_adapter(model)
+    changes = []
+    for layer in sorted(removed):
+        original = sorted(removed[layer])
+        now = adapter.layout(layer)
+        before = [kept_at_start[layer].index(h) for h in original]
+        changes.append(LayerChange(layer, before, original, now.num_heads, now.num_kv_heads))
+    return PruneSummary(changes, summaries[0].params_before, summaries[-1].params_after)

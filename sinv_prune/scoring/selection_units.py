@@ -1,0 +1,213 @@
+"""Selection of MLP channels and whole layers: scores + an amount + constraints -> what to remove.
+
+The counterparts of :func:`sinv_prune.scoring.selection.select_heads` for the other units a
+criterion scores (higher = keep), ordered the same way: by score (``global``, ``uniform``)
+or by rank within the layer over the layer's size (``per_layer``), equal keys by a
+permutation drawn from ``seed``; only the order of the scores matters.
+
+:func:`select_channels`: a layer keeps ``k`` channels with ``k >= min_channels_per_layer``
+and ``k`` a multiple of ``multiple`` (unless it loses none), so kept widths stay friendly to
+matrix kernels (8, 64...). Within a layer the lowest-ranked channels go. ``global`` /
+``per_layer`` remove the requested number at the least total rank over layers (the globally
+lowest ranks, skipping layers at their minimum, when ``multiple == 1``; a knapsack over layers
+otherwise); ``uniform`` leaves every layer with the same channel count. As for heads, when the
+amount cannot be met exactly the largest achievable number not exceeding it is removed with a
+warning (``exact=True`` raises).
+
+:func:`select_layers`: the lowest-scored layers, keeping at least ``min_layers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from functools import reduce
+from itertools import accumulate
+from typing import NamedTuple
+
+from torch import nn
+
+from sinv_prune.scoring.criteria.base import channel_counts
+from sinv_prune.scoring.selection import MODES, _knapsack, _nonnegative, _ranks
+
+logger = logging.getLogger(__name__)
+
+
+class _Option(NamedTuple):
+    cost: int
+    removed: int
+
+
+def select_channels(
+    model_or_sizes: nn.Module | Sequence[int],
+    scores: Sequence[Sequence[float]],
+    amount: int | float,
+    *,
+    mode: str = "global",
+    min_channels_per_layer: int = 1,
+    multiple: int = 1,
+    seed: int = 0,
+    exact: bool = False,
+) -> dict[int, list[int]]:
+    """MLP channels to remove, ``{layer: [channels]}`` in current numbering (untouched layers left out).
+
+    Args:
+        model_or_sizes: the model, or its current MLP width per layer.
+        scores: per layer, one score per current channel; higher = keep.
+        amount: an ``int`` number of channels, or a ``float`` fraction in ``[0, 1]`` of all
+            channels (rounded half up).
+        mode: ``"global"``, ``"per_layer"`` or ``"uniform"`` (see the module docstring).
+        min_channels_per_layer: channels every layer keeps at least (>= 1: an MLP cannot lose
+            them all; layers already below keep theirs).
+        multiple: every layer that loses channels keeps a multiple of this many.
+        seed: orders equal scores; the same inputs and seed give the same result.
+        exact: raise instead of removing fewer channels when the amount cannot be met exactly.
+    """
+    sizes = channel_counts(model_or_sizes) if isinstance(model_or_sizes, nn.Module) else _sizes(model_or_sizes)
+    if mode not in MODES:
+        raise ValueError(f"unknown selection mode {mode!r}; choose one of {', '.join(MODES)}")
+    min_keep = _nonnegative(min_channels_per_layer, "min_channels_per_layer")
+    if min_keep < 1:
+        raise ValueError("min_channels_per_layer must be at least 1 (an MLP cannot lose every channel)")
+    step = _nonnegative(multiple, "multiple")
+    if step < 1:
+        raise ValueError(f"multiple must be a positive integer, got {multiple!r}")
+    rows = _check_rows(scores, sizes)
+    wanted = _count(amount, sum(sizes), "channels")
+    if wanted == 0:
+        return {}
+    ranks = _ranks(rows, mode, seed)
+    order = [sorted(range(len(r)), key=r.__getitem__) for r in ranks]  # lowest rank (remove first) first
+    allowed = [_removals(n, min_keep, step) for n in sizes]
+    where = f"with min_channels_per_layer={min_keep} and multiple={step}"
+    if mode == "uniform":
+        counts = _uniform(sizes, min_keep, step, wanted, where)
+    else:
+        most = sum(a[-1] for a in allowed)
+        if most < wanted:
+            raise ValueError(f"amount {wanted} is larger than the {most} channels that may be removed {where}")
+        if step == 1:
+            counts = _lowest(ranks, [a[-1] for a in allowed], wanted)
+        else:
+            counts = _fewest_cost(ranks, order, allowed, wanted, where)
+    got = sum(counts)
+    if got != wanted:
+        if exact or got == 0:
+            raise ValueError(
+                f"cannot remove exactly {wanted} channels in mode {mode!r} {where}"
+                + (f"; the nearest achievable below is {got}" if got else "; no smaller removal is possible either")
+            )
+        logger.warning("sinv_prune: %d channels requested, %d removed (nearest achievable not exceeding)", wanted, got)
+    return {layer: sorted(order[layer][:c]) for layer, c in enumerate(counts) if c}
+
+
+def select_layers(scores: Sequence[float], amount: int | float, *, min_layers: int = 1, seed: int = 0) -> list[int]:
+    """Layers to remove (current numbering, ascending): the ``amount`` lowest-scored ones.
+
+    ``scores``: one float per current layer, higher = keep; ``amount``: an ``int`` number of
+    layers or a ``float`` fraction of them (rounded half up); at least ``min_layers`` (>= 1)
+    stay. Equal scores are ordered by a permutation drawn from ``seed``.
+    """
+    values = []
+    for layer, value in enumerate(scores):
+        if isinstance(value, Sequence | nn.Module | bool):
+            raise ValueError(f"layer scores are one float per layer; layer {layer} has {type(value).__name__}")
+        value = float(value)
+        if math.isnan(value):
+            raise ValueError(f"layer {layer}: a NaN score cannot be ranked")
+        values.append(value)
+    keep = _nonnegative(min_layers, "min_layers")
+    if keep < 1:
+        raise ValueError("min_layers must be at least 1 (a model cannot lose every layer)")
+    wanted = _count(amount, len(values), "layers")
+    if wanted and len(values) - wanted < keep:
+        raise ValueError(f"removing {wanted} of {len(values)} layers would leave fewer than min_layers={keep}")
+    ranks = _ranks([values], "global", seed)[0]
+    return sorted(sorted(range(len(values)), key=ranks.__getitem__)[:wanted])
+
+
+# -- inputs -------------------------------------------------------------------------------
+
+
+def _sizes(sizes: Sequence[int]) -> list[int]:
+    if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence):
+        raise ValueError(f"channel sizes must be a model or a list of ints per layer, got {type(sizes).__name__}")
+    return [_nonnegative(n, f"channel count of layer {layer}") for layer, n in enumerate(sizes)]
+
+
+def _check_rows(scores, sizes: list[int]) -> list[list[float]]:
+    if len(scores) != len(sizes):
+        raise ValueError(f"channel scores cover {len(scores)} layers, the model has {len(sizes)}")
+    rows = []
+    for layer, (row, n) in enumerate(zip(scores, sizes, strict=True)):
+        if not isinstance(row, Sequence) or isinstance(row, str):
+            raise ValueError(f"channel scores are a list per layer; layer {layer} has {type(row).__name__}")
+        row = [float(x) for x in row]
+        if len(row) != n:
+            raise ValueError(f"layer {layer}: {len(row)} scores for {n} channels")
+        if any(math.isnan(x) for x in row):
+            raise ValueError(f"layer {layer}: NaN scores cannot be ranked")
+        rows.append(row)
+    return rows
+
+
+def _count(amount, total: int, noun: str) -> int:
+    if isinstance(amount, float):
+        if not 0.0 <= amount <= 1.0:
+            raise ValueError(f"a float amount is a fraction in [0, 1], got {amount!r} (pass an int for a count)")
+        return math.floor(amount * total + 0.5)
+    count = _nonnegative(amount, "amount")
+    if count > total:
+        raise ValueError(f"amount {count} is larger than the {total} {noun} of the model")
+    return count
+
+
+# -- per layer and across layers ----------------------------------------------------------
+
+
+def _removals(n: int, min_keep: int, step: int) -> list[int]:
+    """Numbers of channels a layer of ``n`` may lose, ascending (0 first)."""
+    kept = [k for k in range(step, n, step) if k >= min_keep]
+    return [0] + [n - k for k in reversed(kept)]
+
+
+def _lowest(ranks: list[list[int]], caps: list[int], wanted: int) -> list[int]:
+    """Per layer, how many of the globally lowest-ranked channels go, no layer beyond its cap."""
+    counts = [0] * len(ranks)
+    for _, layer in sorted((rank, layer) for layer, row in enumerate(ranks) for rank in row):
+        if counts[layer] < caps[layer]:
+            counts[layer] += 1
+            wanted -= 1
+            if not wanted:
+                break
+    return counts
+
+
+def _fewest_cost(ranks, order, allowed: list[list[int]], wanted: int, where: str) -> list[int]:
+    """Per layer, channels removed: the most ``<= wanted`` in allowed steps, at the least total rank."""
+    unit = reduce(math.gcd, (r for a in allowed for r in a), 0) or 1  # every achievable total is a multiple
+    options = []
+    for row, lowest, removals in zip(ranks, order, allowed, strict=True):
+        prefix = [0, *accumulate(row[c] for c in lowest)]
+        options.append({r // unit: _Option(prefix[r], r) for r in removals})
+    return [opt.removed for opt in _knapsack(options, wanted // unit, where)]
+
+
+def _uniform(sizes: list[int], min_keep: int, step: int, wanted: int, where: str) -> list[int]:
+    """Every layer keeps the same count ``k``: the largest removal ``<= wanted``."""
+    smallest = min(sizes)
+    candidates = [k for k in range(step, smallest + 1, step) if k >= min_keep]
+    if len(set(sizes)) == 1 and smallest not in candidates:
+        candidates.append(smallest)  # every layer as it is
+    if not candidates:
+        raise ValueError(f"uniform: no channel count is valid in every layer {where} (smallest layer: {smallest})")
+    removal = {k: sum(n - k for n in sizes) for k in candidates}
+    most = max(removal.values())
+    if most < wanted:
+        raise ValueError(f"uniform: amount {wanted} is larger than the {most} channels that may be removed {where}")
+    fitting = [k for k in candidates if removal[k] <= wanted]
+    if not fitting:
+        raise ValueError(f"uniform: no removal of at most {wanted} channels leaves every layer alike {where}")
+    k = min(fitting)
+    return [n - k for n in sizes]

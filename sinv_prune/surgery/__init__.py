@@ -1,0 +1,1 @@
+"""Physical removal of heads, MLP channels and layers; the pruning record; checkpoints; compensation."""

@@ -1,0 +1,520 @@
+"""Physical removal of attention heads, MLP channels and whole blocks through the architecture adapters."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from sinv_prune.arch import HeadAdapter, get_adapter
+from sinv_prune.surgery import compensation
+from sinv_prune.surgery.checkpoint import base_class, finalize_checkpoint_format
+from sinv_prune.surgery.compensation import CompensationReport
+from sinv_prune.surgery.record import PruningRecord, get_record, set_record
+from sinv_prune.surgery.shapes import apply_layer, apply_mlp, drop_layers
+
+__all__ = ["LayerChange", "MlpChange", "PruneSummary", "apply_layer", "count_parameters", "prune", "prune_heads"]
+
+
+@dataclass
+class LayerChange:
+    """What happened to one layer's heads: indices in the numbering before this call and the original one."""
+
+    layer: int
+    removed: list[int]
+    removed_original: list[int]
+    kept: int
+    kept_kv: int
+
+
+@dataclass
+class MlpChange:
+    """What happened to one layer's MLP channels: numbering before this call and the original one."""
+
+    layer: int
+    removed: list[int]
+    removed_original: list[int]
+    kept: int
+
+
+@dataclass
+class PruneSummary:
+    """Returned by :func:`prune`: per-layer changes, removed blocks, parameter counts, compensation (when asked).
+
+    ``layers`` holds the head changes and ``mlp`` the channel changes, both keyed by the layer
+    numbering before the call; ``removed_layers`` / ``removed_layers_original`` name the dropped
+    blocks in that numbering and in the original one.
+    """
+
+    layers: list[LayerChange]
+    params_before: int
+    params_after: int
+    compensation: CompensationReport | None = None
+    mlp: list[MlpChange] = field(default_factory=list)
+    removed_layers: list[int] = field(default_factory=list)
+    removed_layers_original: list[int] = field(default_factory=list)
+
+    @property
+    def heads_removed(self) -> int:
+        return sum(len(c.removed) for c in self.layers)
+
+    @property
+    def channels_removed(self) -> int:
+        return sum(len(c.removed) for c in self.mlp)
+
+    @property
+    def layers_removed(self) -> int:
+        return len(self.removed_layers)
+
+    def to_dict(self) -> dict:
+        data = {
+            "params_before": self.params_before,
+            "params_after": self.params_after,
+            "heads_removed": self.heads_removed,
+            "channels_removed": self.channels_removed,
+            "layers_removed": self.layers_removed,
+            "layers": [vars(c) for c in self.layers],
+            "mlp": [vars(c) for c in self.mlp],
+            "removed_layers": list(self.removed_layers),
+            "removed_layers_original": list(self.removed_layers_original),
+        }
+        if self.compensation is not None:
+            data["compensation"] = self.compensation.to_dict()
+        return data
+
+    def __str__(self) -> str:
+        lines = []
+        if self.layers or not (self.mlp or self.removed_layers):
+            lines.append(f"{'layer':>5} {'removed':>7} {'kept':>4} {'kv':>3}  removed (original numbering)")
+            for c in self.layers:
+                lines.append(f"{c.layer:>5} {len(c.removed):>7} {c.kept:>4} {c.kept_kv:>3}  {c.removed_original}")
+        if self.mlp:
+            lines.append(f"{'layer':>5} {'channels removed':>16} {'kept':>5}")
+            for c in self.mlp:
+                lines.append(f"{c.layer:>5} {len(c.removed):>16} {c.kept:>5}")
+        if self.removed_layers:
+            lines.append(f"layers removed: {self.removed_layers} (original numbering {self.removed_layers_original})")
+        ratio = self.params_after / self.params_before
+        lines.append(f"parameters: {self.params_before:,} -> {self.params_after:,} ({ratio:.2%})")
+        if self.compensation is not None:
+            lines.append(str(self.compensation))
+        return "\n".join(lines)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+PLAN_KEYS = ("heads", "mlp", "layers")
+
+
+@dataclass
+class _Plan:
+    """A validated plan in the model's current numbering."""
+
+    heads: dict[int, tuple[list[int], list[int], list[int]]]
+    mlp: dict[int, tuple[list[int], list[int]]]
+    layers: list[int]
+
+    def __bool__(self) -> bool:
+        return bool(self.heads or self.mlp or self.layers)
+
+
+def prune_heads(
+    model: nn.Module,
+    heads: Mapping[int, Iterable[int]],
+    *,
+    allow_empty_layers: bool = False,
+    calibration: Iterable[Mapping] | None = None,
+    compensate: str | None = None,
+    ridge: float = compensation.DEFAULT_RIDGE,
+    add_bias: bool = False,
+) -> PruneSummary:
+    """Remove attention heads from ``model`` in place: ``prune(model, {"heads": heads}, ...)``.
+
+    ``heads`` maps a layer index to the query heads to remove, numbered as the layer
+    has them now. Under grouped-query attention every KV group that keeps heads must
+    keep the same number, and a KV head goes when all of its query heads go.
+    ``allow_empty_layers=True`` permits removing every head of a layer; the attention
+    block then contributes only its output bias. See :func:`prune` for validation,
+    rollback, the record and compensation.
+    """
+    return prune(
+        model,
+        {"heads": heads},
+        allow_empty_layers=allow_empty_layers,
+        calibration=calibration,
+        compensate=compensate,
+        ridge=ridge,
+        add_bias=add_bias,
+    )
+
+
+def prune(
+    model: nn.Module,
+    plan: Mapping[str, object],
+    *,
+    allow_empty_layers: bool = False,
+    calibration: Iterable[Mapping] | None = None,
+    compensate: str | None = None,
+    ridge: float = compensation.DEFAULT_RIDGE,
+    add_bias: bool = False,
+) -> PruneSummary:
+    """Remove attention heads, MLP channels and whole blocks from ``model`` in place, through one plan.
+
+    ``plan`` is a mapping with any of these keys, every index in the model's numbering *now*
+    (before this call; earlier calls' removals already applied):
+
+    * ``"heads"``: ``{layer: [query heads]}``. Under grouped-query attention every KV group
+      that keeps heads must keep the same number, and a KV head goes when all of its query
+      heads go; removing every head of a layer needs ``allow_empty_layers=True`` (the
+      attention then contributes only its output bias).
+    * ``"mlp"``: ``{layer: [intermediate channels]}``: rows of the up (and gate) projection,
+      columns of the down projection. A layer keeps at least one channel.
+    * ``"layers"``: ``[layer, ...]``: whole blocks to drop (block output = block input). At
+      least one block stays, and a removed block may not also be named under ``"heads"``
+      or ``"mlp"``.
+
+    Heads and channels are cut first, then blocks dropped; later layers move down and their
+    attention ``layer_idx`` (KV-cache slot), ``config.num_hidden_layers`` / ``n_layer``,
+    ``config.layer_types`` and ``max_window_layers`` follow. Invalid plans (unknown keys, bad
+    or duplicate indices, empty MLPs, no block left, overlaps), quantized models and models
+    with weights on the ``meta`` device raise a one-line ``ValueError`` before anything
+    changes; any other error part-way through restores the model (weights, sizes, forwards,
+    the block list, class and config) before it propagates. ``config.sinv_prune`` records
+    every removal in the original numbering, so ``save_pretrained`` writes a checkpoint that
+    reloads (stock class when the sizes are uniform and the config can state them, else
+    remote code) and later calls compose.
+
+    Compensation (:mod:`sinv_prune.surgery.compensation`) re-fits what remains from ``calibration``
+    (an iterable of batches: dicts with ``input_ids`` and optionally ``attention_mask``,
+    whose padding is left out). ``compensate="lsq"`` refits each pruned layer's attention
+    output projection and MLP down projection (and their biases, where they have one) by
+    ridge least squares, layer by layer on the already-pruned model's inputs, so that the
+    layer reproduces the unpruned outputs; ``ridge`` is relative to the mean diagonal of the
+    inputs' Gram matrix and pulls towards the plainly pruned weights. ``compensate="bias"``
+    (FLAP) adds the removed units' mean contribution on the unpruned model to the consumer's
+    bias; it is refused for MLP channels whose down projection has no bias (LLaMA family).
+    LLaMA-family output projections have no bias: ``add_bias=True`` gives every attention
+    projection a zero bias and sets ``config.attention_bias`` (LLaMA, Qwen3; needed for
+    ``"bias"`` on heads). Dropped blocks need no compensation: heads and channels are
+    compensated on the full stack, then the blocks go. The summary's ``compensation``
+    reports, per consumer, its relative error before and after the refit.
+    ``compensate=None`` (default) prunes exactly as without these arguments.
+    """
+    adapter = get_adapter(model)
+    refusal = unprunable_reason(model, adapter)
+    if refusal:
+        raise ValueError(f"cannot prune this model: {refusal}")
+    compensation.check_options(model, adapter, compensate, calibration, ridge, add_bias)
+    checked = plan_prune(model, adapter, plan, allow_empty_layers=allow_empty_layers)
+    if checked.mlp and compensate == "bias":
+        no_bias = [i for i in checked.mlp if getattr(adapter.mlp_out(i), "bias", None) is None]
+        if no_bias:
+            raise ValueError(
+                f"compensate='bias' needs an MLP down-projection bias, which {model.config.model_type} lacks "
+                f"(layers {no_bias[:5]}); use compensate='lsq' for MLP channels"
+            )
+    if not checked:  # nothing to remove: leave class and config as they are
+        params = count_parameters(model)
+        return PruneSummary([], params, params)
+    record = _current_record(model, adapter)
+    inputs = compensation.capture_block_inputs(model, adapter, calibration) if compensate else None
+    before = count_parameters(model)
+    snapshot = _Snapshot.take(model, adapter, checked, all_attention=bool(add_bias and compensate))
+    try:
+        changes, mlp_changes, report = _cut(model, adapter, record, checked, inputs, compensate, ridge, add_bias)
+        origin = record.kept_layers()
+        dropped_original = [origin[i] for i in checked.layers]
+        if checked.layers:
+            drop_layers(model, adapter, checked.layers)
+            record.removed_layers = sorted(set(record.removed_layers) | set(dropped_original))
+        set_record(model.config, record)
+        finalize_checkpoint_format(model, adapter, record)
+    except BaseException:
+        snapshot.restore()
+        raise
+    after = count_parameters(model)
+    return PruneSummary(changes, before, after, report, mlp_changes, list(checked.layers), dropped_original)
+
+
+def _cut(model, adapter, record, plan: _Plan, inputs, compensate, ridge, add_bias):
+    """Slice heads and channels (compensating when asked), updating ``record``; the changes and the report."""
+    origin = record.kept_layers()
+    changes, mlp_changes, report = [], [], None
+    for layer, (removed, keep_q, keep_kv) in plan.heads.items():
+        kept_original = record.kept_heads(origin[layer])
+        removed_original = [kept_original[h] for h in removed]
+        record.pruned_heads[origin[layer]] = sorted(
+            set(record.pruned_heads.get(origin[layer], [])) | set(removed_original)
+        )
+        changes.append(LayerChange(layer, removed, removed_original, len(keep_q), len(keep_kv)))
+    for layer, (removed, keep) in plan.mlp.items():
+        kept_original = record.kept_channels(origin[layer])
+        removed_original = [kept_original[c] for c in removed]
+        record.pruned_mlp[origin[layer]] = sorted(set(record.pruned_mlp.get(origin[layer], [])) | set(removed_original))
+        mlp_changes.append(MlpChange(layer, removed, removed_original, len(keep)))
+
+    def slice_heads(layer: int) -> None:
+        apply_layer(adapter, layer, *plan.heads[layer][1:])
+
+    def slice_mlp(layer: int) -> None:
+        apply_mlp(adapter, layer, plan.mlp[layer][1])
+
+    if compensate:
+        cuts = compensation.head_cuts(adapter, plan.heads, slice_heads)
+        for layer, cut in compensation.mlp_cuts(adapter, plan.mlp, slice_mlp).items():
+            cuts.setdefault(layer, []).extend(cut)  # forward order: attention before the MLP
+        report = compensation.run_compensation(
+            model, adapter, dict(sorted(cuts.items())), inputs, compensate, ridge, add_bias
+        )
+    else:
+        for layer in plan.heads:
+            slice_heads(layer)
+        for layer in plan.mlp:
+            slice_mlp(layer)
+    return changes, mlp_changes, report
+
+
+def unprunable_reason(model: nn.Module, adapter: HeadAdapter) -> str | None:
+    """Why slicing ``model``'s heads or MLPs would go wrong (quantized or unmaterialized weights), or None."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    quant_config = getattr(model.config, "quantization_config", None)
+    if quantizer is not None or quant_config is not None or getattr(model, "is_quantized", False):
+        method = _get(quant_config, "quant_method") or (type(quantizer).__name__ if quantizer else "unknown method")
+        return (
+            f"it is quantized ({getattr(method, 'value', method)}); prune the unquantized model "
+            "(GGUF files load as float models through sinv_prune.from_pretrained)"
+        )
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if tensor.device.type == "meta":
+            return f"{name} is on the meta device (offloaded or never loaded); load every weight onto a real device"
+    for layer in range(adapter.num_layers):
+        for module in [*adapter.touched_modules(layer), *adapter.mlp_modules(layer)]:
+            for name, param in module.named_parameters():
+                if type(param) is not nn.Parameter or not param.dtype.is_floating_point:
+                    kind = f"{type(param).__name__} of dtype {str(param.dtype).removeprefix('torch.')}"
+                    return f"layer {layer}: {name} is a {kind}, not a floating-point nn.Parameter (quantized?)"
+    return None
+
+
+def _get(obj, key: str):
+    """``key`` of a dict or an attribute of an object (quantization configs come as either)."""
+    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+
+class _Snapshot:
+    """References to everything :func:`prune` may replace, to undo a failed call.
+
+    Parameters are replaced, never written in place (see ``arch.base._replace``), so
+    keeping the old objects costs no copy. Per touched module (submodules included) it
+    keeps the attribute dict (sizes such as ``out_features``/``nf``, a replaced
+    ``forward``) and the parameter, buffer and child dicts; plus the model's class and
+    the config's attributes (head and MLP sizes, layer count and ``layer_types``, record,
+    ``architectures``, ``auto_map``). Dropping blocks covers the block list and every module
+    in it (their ``layer_idx``).
+    """
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module]):
+        self.model, self.cls = model, type(model)
+        self.config = dict(vars(model.config))
+        self.modules = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in modules]
+
+    @classmethod
+    def take(cls, model: nn.Module, adapter: HeadAdapter, plan: _Plan, all_attention: bool = False) -> _Snapshot:
+        head_layers = range(adapter.num_layers) if all_attention else plan.heads
+        tops = [top for layer in head_layers for top in adapter.touched_modules(layer)]
+        tops += [m for layer in plan.mlp for m in adapter.mlp_modules(layer)]
+        if plan.layers:
+            tops.append(adapter.layer_stack())
+        modules = {id(m): m for top in tops for m in top.modules()}
+        return cls(model, list(modules.values()))
+
+    def restore(self) -> None:
+        for module, attrs, params, buffers, children in self.modules:
+            _refill(vars(module), attrs)
+            for live, saved in ((module._parameters, params), (module._buffers, buffers), (module._modules, children)):
+                _refill(live, saved)
+        _refill(vars(self.model.config), self.config)
+        self.model.__class__ = self.cls
+
+
+def _refill(live: dict, saved: dict) -> None:
+    live.clear()
+    live.update(saved)
+
+
+def plan_prune(
+    model: nn.Module, adapter: HeadAdapter, plan: Mapping[str, object], *, allow_empty_layers: bool = False
+) -> _Plan:
+    """Validate a :func:`prune` plan (current numbering) with a one-line ``ValueError``; nothing changes."""
+    if not isinstance(plan, Mapping):
+        raise ValueError(f"plan must be a mapping with keys {', '.join(PLAN_KEYS)}, got {type(plan).__name__}")
+    unknown = [k for k in plan if k not in PLAN_KEYS]
+    if unknown:
+        raise ValueError(f"unknown plan keys {unknown}: a plan has {', '.join(map(repr, PLAN_KEYS))}")
+    heads = plan_removal(adapter, plan.get("heads") or {}, allow_empty_layers=allow_empty_layers)
+    mlp = plan_channels(adapter, plan.get("mlp") or {})
+    layers = plan_layers(model, adapter, plan.get("layers") or [])
+    for what, named in (("heads", heads), ("MLP channels", mlp)):
+        overlap = sorted(set(named) & set(layers))
+        if overlap:
+            raise ValueError(f"layers {overlap} are removed by the plan and also have {what} named")
+    return _Plan(heads, mlp, layers)
+
+
+def plan_channels(adapter: HeadAdapter, mlp: Mapping[int, Iterable[int]]) -> dict[int, tuple[list[int], list[int]]]:
+    """Validate the ``"mlp"`` part of a plan; per layer: (removed, kept channels), current numbering."""
+    if not isinstance(mlp, Mapping):
+        raise ValueError(f"plan['mlp'] must map layer index -> channel indices, got {type(mlp).__name__}")
+    num_layers = adapter.num_layers
+    out, seen = {}, {}
+    for raw_layer, raw_channels in sorted(mlp.items(), key=lambda kv: _index(kv[0], "layer")):
+        layer = _index(raw_layer, "layer")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"mlp: unknown layer {layer}: the model has layers 0..{num_layers - 1}")
+        if layer in seen:
+            raise ValueError(f"mlp: layer {layer} is named more than once (keys {raw_layer!r} and {seen[layer]!r})")
+        seen[layer] = raw_layer
+        channels = _index_list(raw_channels, f"mlp layer {layer}: channels")
+        removed = [_index(c, f"channel in layer {layer}") for c in channels]
+        if len(set(removed)) != len(removed):
+            dupes = sorted({c for c in removed if removed.count(c) > 1})
+            raise ValueError(f"mlp layer {layer}: duplicate channel indices {dupes}")
+        width = adapter.intermediate_size(layer)
+        bad = [c for c in removed if not 0 <= c < width]
+        if bad:
+            raise ValueError(f"mlp layer {layer}: channel indices {bad} out of range 0..{width - 1}")
+        if not removed:
+            continue
+        if len(removed) == width:
+            raise ValueError(f"mlp layer {layer}: removing all {width} channels is refused; remove the layer instead")
+        gone = set(removed)
+        out[layer] = (sorted(removed), [c for c in range(width) if c not in gone])
+    return out
+
+
+def plan_layers(model: nn.Module, adapter: HeadAdapter, layers: Iterable[int]) -> list[int]:
+    """Validate the ``"layers"`` part of a plan: sorted block indices to drop, current numbering."""
+    removed = [_index(i, "layer") for i in _index_list(layers, "plan['layers']")]
+    if not removed:
+        return []
+    num_layers = adapter.num_layers
+    bad = [i for i in removed if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"layers {bad} out of range: the model has layers 0..{num_layers - 1}")
+    if len(set(removed)) != len(removed):
+        raise ValueError(f"duplicate layer indices {sorted({i for i in removed if removed.count(i) > 1})}")
+    if len(removed) == num_layers:
+        raise ValueError(f"removing all {num_layers} layers is refused: at least one must stay")
+    config = model.config
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        raise ValueError("layers cannot be removed while scale_attn_by_inverse_layer_idx ties attention to depth")
+    if getattr(config, "is_heterogeneous", False):
+        raise ValueError("layers cannot be removed from a heterogeneous (per_layer_config) model")
+    return sorted(removed)
+
+
+def plan_removal(
+    adapter: HeadAdapter, heads: Mapping[int, Iterable[int]], *, allow_empty_layers: bool = False
+) -> dict[int, tuple[list[int], list[int], list[int]]]:
+    """Validate a request; per layer: (removed, kept query heads, kept KV heads), current numbering."""
+    if not isinstance(heads, Mapping):
+        raise ValueError(f"heads must map layer index -> head indices, got {type(heads).__name__}")
+    num_layers = adapter.num_layers
+    plan, seen = {}, {}
+    for raw_layer, raw_heads in sorted(heads.items(), key=lambda kv: _index(kv[0], "layer")):
+        layer = _index(raw_layer, "layer")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"unknown layer {layer}: the model has layers 0..{num_layers - 1}")
+        if layer in seen:
+            raise ValueError(f"layer {layer} is named more than once (keys {raw_layer!r} and {seen[layer]!r})")
+        seen[layer] = raw_layer
+        layout = adapter.layout(layer)
+        removed = [_index(h, f"head in layer {layer}") for h in _head_list(raw_heads, layer)]
+        if len(set(removed)) != len(removed):
+            dupes = sorted({h for h in removed if removed.count(h) > 1})
+            raise ValueError(f"layer {layer}: duplicate head indices {dupes}")
+        bad = [h for h in removed if not 0 <= h < layout.num_heads]
+        if bad:
+            raise ValueError(f"layer {layer}: head indices {bad} out of range 0..{layout.num_heads - 1}")
+        if not removed:
+            continue
+        keep_q = [h for h in range(layout.num_heads) if h not in set(removed)]
+        if not keep_q and not allow_empty_layers:
+            raise ValueError(f"layer {layer}: removing all {layout.num_heads} heads needs allow_empty_layers=True")
+        group = layout.group_size
+        sizes = {kv: sum(1 for h in keep_q if h // group == kv) for kv in range(layout.num_kv_heads)}
+        if len({s for s in sizes.values() if s}) > 1:
+            raise ValueError(
+                f"layer {layer}: GQA query groups would become unequal (heads kept per KV head: {list(sizes.values())})"
+            )
+        plan[layer] = (sorted(removed), keep_q, [kv for kv, s in sizes.items() if s])
+    return plan
+
+
+def _head_list(value, layer: int) -> list:
+    """A layer's requested heads as a list; a bare index or a string is refused, not iterated."""
+    return _index_list(value, f"layer {layer}: heads", "head indices")
+
+
+def _index_list(value, what: str, items: str = "indices") -> list:
+    """A collection of indices as a list; a bare index, a string or a mapping is refused, not iterated."""
+    if not isinstance(value, (str, bytes, Mapping)):
+        try:
+            return list(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{what} must be a collection of {items}, got {value!r}")
+
+
+def _index(value, what: str) -> int:
+    if isinstance(value, (bool, float)):
+        raise ValueError(f"{what} index must be an integer, got {value!r}")
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} index must be an integer, got {value!r}") from None
+
+
+def _current_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
+    """The model's record (records from before MLP pruning get their MLP width), or a fresh one."""
+    record = get_record(model.config)
+    if record is None:
+        return _fresh_record(model, adapter)
+    if len(record.kept_layers()) != adapter.num_layers:
+        raise ValueError(
+            f"the pruning record keeps {len(record.kept_layers())} layers but the model has {adapter.num_layers}"
+        )
+    if record.intermediate_size is None:  # written before MLP pruning existed: the MLPs are whole
+        record.intermediate_size = _uniform_width(adapter)
+    return record
+
+
+def _uniform_width(adapter: HeadAdapter) -> int:
+    widths = {adapter.intermediate_size(i) for i in range(adapter.num_layers)}
+    if len(widths) != 1:
+        raise ValueError("model has different MLP widths per layer but no sinv_prune record of them in its config")
+    (width,) = widths
+    return width
+
+
+def _fresh_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
+    layouts = {adapter.layout(i) for i in range(adapter.num_layers)}
+    if len(layouts) != 1:
+        raise ValueError("model has different head counts per layer but no sinv_prune record in its config")
+    (layout,) = layouts
+    return PruningRecord(
+        base_class=base_class(type(model)).__name__,
+        num_layers=adapter.num_layers,
+        num_heads=layout.num_heads,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        intermediate_size=_uniform_width(adapter),
+    )

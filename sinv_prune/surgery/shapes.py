@@ -1,0 +1,77 @@
+"""Shape changes shared by surgery and checkpoint loading: slice heads and channels, drop blocks.
+
+:func:`~sinv_prune.prune` calls these on a live model; :func:`apply_record` calls them on a
+freshly built one (original head and MLP sizes, the current layer count) to rebuild the pruned
+shapes before the weights load. Both import this module, neither imports the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from sinv_prune.arch import HeadAdapter, get_adapter
+from sinv_prune.surgery.record import PruningRecord
+
+
+def apply_layer(adapter: HeadAdapter, layer: int, keep_q: list[int], keep_kv: list[int]) -> None:
+    """Slice one layer to the given heads; an empty layer gets a forward that needs no heads."""
+    device = adapter.out_proj(layer).weight.device
+    adapter.slice_heads(
+        layer,
+        torch.tensor(keep_q, dtype=torch.long, device=device),
+        torch.tensor(keep_kv, dtype=torch.long, device=device),
+    )
+    if not keep_q:
+        adapter.attention(layer).forward = adapter.empty_forward(layer)
+
+
+def apply_mlp(adapter: HeadAdapter, layer: int, keep: list[int]) -> None:
+    """Slice one layer's MLP to the channels ``keep`` (current numbering)."""
+    device = adapter.mlp_out(layer).weight.device
+    adapter.slice_mlp(layer, torch.tensor(keep, dtype=torch.long, device=device))
+
+
+def drop_layers(model: nn.Module, adapter: HeadAdapter, drop: Iterable[int]) -> None:
+    """Remove the blocks ``drop`` (current numbering) and renumber everything that indexes layers.
+
+    The kept blocks' ``layer_idx`` attributes (the KV cache slot of each attention) become their
+    new positions; ``config.num_hidden_layers`` (GPT-2 ``n_layer``), ``config.layer_types`` and
+    Qwen2's ``max_window_layers`` describe the new stack, so ``DynamicCache(config=...)`` and the
+    per-layer attention masks line up. The ModuleList and config lists are replaced, not mutated.
+    """
+    gone = set(drop)
+    stack = adapter.layer_stack()
+    old = len(stack)
+    kept = [block for i, block in enumerate(stack) if i not in gone]
+    stack._modules = dict((str(j), block) for j, block in enumerate(kept))
+    for j, block in enumerate(kept):
+        for module in block.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = j
+    config = model.config
+    window = getattr(config, "max_window_layers", None)
+    if isinstance(window, int) and window < old:  # layers below it are full attention: count the kept ones
+        config.max_window_layers = sum(1 for i in range(min(window, old)) if i not in gone)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        config.layer_types = [t for i, t in enumerate(types) if i not in gone]
+    config.num_hidden_layers = len(kept)
+
+
+def apply_record(model: nn.Module, record: PruningRecord) -> None:
+    """Slice a freshly built model (original head and MLP sizes, current layer count) to ``record``'s shapes."""
+    adapter = get_adapter(model)
+    kept_layers = record.kept_layers()
+    if adapter.num_layers != len(kept_layers):
+        raise ValueError(
+            f"the config builds {adapter.num_layers} layers but the pruning record keeps {len(kept_layers)} "
+            f"of {record.num_layers}"
+        )
+    for current, original in enumerate(kept_layers):
+        if record.pruned_heads.get(original):
+            apply_layer(adapter, current, record.kept_heads(original), record.kept_kv_heads(original))
+        if record.pruned_mlp.get(original):
+            apply_mlp(adapter, current, record.kept_channels(original))
