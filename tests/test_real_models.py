@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import transformers
-from conftest import minilm_dir, smollm2_gguf, wikitext
+from conftest import minilm_dir, smollm2_gguf, smollm2_model, wikitext
 
 import sinv_prune
 
@@ -147,7 +147,7 @@ def smollm2():
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     input_ids = tokenizer(text, return_tensors="pt").input_ids[:, :SEQ_LEN]
     assert input_ids.shape == (1, SEQ_LEN)
-    model = sinv_prune.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
+    model = smollm2_model()
     return model, input_ids
 
 
