@@ -50,7 +50,7 @@ import sinv_prune  # noqa: E402
 from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
 from sinv_prune.pipeline.data import token_ids  # noqa: E402
 from sinv_prune.pipeline.evaluation import perplexity  # noqa: E402
-from sinv_prune.pipeline.stages import StoredScores  # noqa: E402
+from sinv_prune.scoring.criteria import StoredScores  # noqa: E402
 
 #: (label, registry name, options); random gets one arm per seed.
 CRITERIA = [

@@ -56,8 +56,8 @@ from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
 from sinv_prune.pipeline.data import lm_blocks  # noqa: E402
 from sinv_prune.pipeline.evaluation import perplexity  # noqa: E402
 from sinv_prune.pipeline.recipe import FinetuneSpec  # noqa: E402
-from sinv_prune.pipeline.stages import StoredScores  # noqa: E402
 from sinv_prune.pipeline.training import run_trainer  # noqa: E402
+from sinv_prune.scoring.criteria import StoredScores  # noqa: E402
 
 ALL_CRITERIA = ("random", "magnitude", "taylor", "activation", "sinv_gauge")
 OPTIONS = {"random": {"seed": 0}, "magnitude": {"p": 2}}

@@ -61,7 +61,7 @@ import _bench_common as common  # noqa: E402
 
 from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
 from sinv_prune.pipeline.evaluation import compare_speed  # noqa: E402
-from sinv_prune.pipeline.stages import StoredScores  # noqa: E402
+from sinv_prune.scoring.criteria import StoredScores  # noqa: E402
 
 MiB = 2**20
 

@@ -13,6 +13,7 @@ import sinv_prune
 from sinv_prune.cli import main
 from sinv_prune.pipeline import stages as pipeline
 from sinv_prune.pipeline.recipe import validate_recipe
+from sinv_prune.scoring.criteria import StoredScores
 
 TINY = {
     "name": "tiny",
@@ -352,8 +353,8 @@ def test_arm_pruner_maps_every_part_onto_the_pruner(monkeypatch):
     heads = pipeline.arm_pruner(None, recipe.prune.arms[0])
     assert isinstance(heads, sinv_prune.HeadPruner) and heads.criterion.name == "magnitude"
     assert (heads.amount, heads.mode, heads.layout, heads.rounds) == (2, "uniform", "kv_groups", 2)
-    stored = pipeline.StoredScores("magnitude", "heads", [[1.0, 2.0]], {"note": 1})
-    channels = pipeline.StoredScores("random", "mlp", [[0.5] * 4])  # by name only once criteria take a unit
+    stored = StoredScores("magnitude", "heads", [[1.0, 2.0]], {"note": 1})
+    channels = StoredScores("random", "mlp", [[0.5] * 4])  # by name only once criteria take a unit
     assert pipeline.arm_pruner(None, recipe.prune.arms[1], [stored, channels]) == "pruner"
     first, second = made["parts"]
     assert first == {"unit": "heads", "criterion": stored, "amount": 2, "mode": "global", "seed": 0,

@@ -50,7 +50,7 @@ from sinv_prune.pipeline.report import removed_text, write_report
 from sinv_prune.pipeline.rundir import RunDir, write_dir, write_json, write_text
 from sinv_prune.pipeline.threads import parse_threads, recipe_threads
 from sinv_prune.pipeline.training import remove_checkpoints, run_trainer
-from sinv_prune.scoring.criteria import Criterion, criterion_class, get_criterion
+from sinv_prune.scoring.criteria import Criterion, StoredScores, criterion_class, get_criterion
 from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
 from sinv_prune.surgery.checkpoint import from_pretrained
 from sinv_prune.surgery.removal import count_parameters
@@ -314,22 +314,6 @@ def criterion_key(arm: ArmSpec | PartSpec | str) -> str:
     unit = "" if part.unit == "heads" else f"@{part.unit}"
     opts = ",".join(f"{k}={v}" for k, v in sorted(part.options.items()))
     return f"{part.criterion}{unit}({opts})" if opts else f"{part.criterion}{unit}"
-
-
-class StoredScores(Criterion):
-    """Scores computed earlier (stage ``score``, read back from ``scores.json``), as a criterion for the pruner."""
-
-    def __init__(self, name: str, unit: str, values: list, report: dict | None = None):
-        self.name = name
-        self.units = (unit,)
-        self._values = values
-        self._report = dict(report or {})
-
-    def scores(self, model) -> list:
-        return self._values
-
-    def report(self) -> dict:
-        return self._report
 
 
 def part_criterion(part: PartSpec) -> Criterion:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import inspect
 import re
 
-from sinv_prune.scoring.criteria.base import Criterion, Scores, TraceLike
+from sinv_prune.scoring.criteria.base import Criterion, Scores, StoredScores, TraceLike
 
 _CRITERIA: dict[str, type[Criterion]] = {}
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -105,6 +105,7 @@ __all__ = [
     "MagnitudeCriterion",
     "RandomCriterion",
     "Scores",
+    "StoredScores",
     "SinvEarlyCriterion",
     "SinvDepthCriterion",
     "SinvGaugeCriterion",

@@ -173,3 +173,22 @@ class preserve_modes:
     def __exit__(self, *exc) -> None:
         for module, mode in self._modes:
             module.training = mode
+
+
+class StoredScores(Criterion):
+    """Scores computed earlier (a recipe's ``scores.json``, a benchmark's cache) as a criterion for a pruner.
+
+    Not registered: it only hands back ``values`` (in the format of ``unit``) and ``report``.
+    """
+
+    def __init__(self, name: str, unit: str, values: list, report: dict | None = None):
+        self.name = name
+        self.units = (unit,)
+        self._values = values
+        self._report = dict(report or {})
+
+    def scores(self, model) -> list:
+        return self._values
+
+    def report(self) -> dict:
+        return self._report
