@@ -306,14 +306,15 @@ UNITS = {
             },
         ]
     },
-    "finetune": None,
+    "finetune": {"max_steps": 2, "batch_size": 8, "learning_rate": 0.003, "distill": {"teacher": "base"}},
     "evaluate": {"speed": False},
 }
 
 
 def test_mlp_layer_and_mixed_arms_run_end_to_end(tmp_path):
-    """Each arm removes what it says, reloads with the claimed parameter count, and the report names it."""
-    data = {k: v for k, v in UNITS.items() if v is not None}
+    """Each arm removes what it says, distils from the unpruned model, reloads with the claimed parameter count,
+    and the report names it."""
+    data = UNITS
     result = invoke(recipe_file(tmp_path, data), "--output", tmp_path / "out", "--quiet")
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -326,6 +327,7 @@ def test_mlp_layer_and_mixed_arms_run_end_to_end(tmp_path):
     for arm in results["arms"]:
         model = sinv_prune.from_pretrained(tmp_path / "out" / arm["model_dir"])
         assert sinv_prune.count_parameters(model) == arm["params"] < results["baseline"]["params"]
+        assert arm["model_dir"].endswith("finetuned") and arm["distill"]["teacher"] == "base"
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| 64 channels |" in report and "2 heads + 64 channels" in report
 
