@@ -9,6 +9,7 @@ import huggingface_hub
 import pytest
 from conftest import smollm2_gguf
 
+from sinv_prune.arch import get_adapter
 from sinv_prune.surgery.record import get_record
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -41,3 +42,15 @@ def test_python_api_example_runs_offline(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "smollm2-pruned" / "config.json").is_file()
     assert type(again).__name__ == type(namespace["model"]).__name__ == "SinvPrunedLlamaForCausalLM"
     assert get_record(again.config).pruned_heads == {0: [1, 4, 7], 1: [0, 1, 2], 5: [0, 3, 6]}
+
+    # the units example continues from the first one, in the same namespace
+    exec(compile(section_code("### MLP channels and whole layers"), str(README), "exec"), namespace)
+    assert capsys.readouterr().out.split() == ["3", "512", "[29]", "2"]  # the printed values the comments show
+    record = get_record(again.config)
+    assert record.pruned_heads[2] == [0, 3, 6] and len(record.kept_channels(3)) <= 1536 - 512
+    assert 29 in record.removed_layers and len(record.removed_layers) == 3
+    assert again.config.num_hidden_layers == len(again.model.layers) == 27
+    widths = [get_adapter(again).intermediate_size(i) for i in range(27)]
+    removed = sum(len(channels) for channels in namespace["pruner"].last_selection["mlp"].values())
+    assert all(width % 64 == 0 for width in widths)  # multiple=64
+    assert removed == (sum(widths) + removed) // 4  # 25% of the channels in the layers that stay
