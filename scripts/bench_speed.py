@@ -16,8 +16,7 @@ both ``uniform 3/9 (1 q/group)`` (``layout="q_per_group"``), one query head per 
 and the cache stay), and ``uniform 3/9 (1 KV group)`` (``layout="kv_groups"``), one whole KV group per
 layer (the cache shrinks by a third).
 
-Structural cuts through ``sinv_prune.prune(model, plan)`` where the package has it (otherwise listed
-as "n/a (needs sinv_prune.prune)"): ``MLP width 25%`` (every fourth intermediate channel of every
+Structural cuts through ``sinv_prune.prune(model, plan)``: ``MLP width 25%`` (every fourth intermediate channel of every
 layer) and ``depth 25%`` (every fourth layer; shapes with fewer than 4 layers skip it). Issue 12's
 target: the measured forward speed-up (CPU time where measured, else wall) is at least 90% of the
 FLOP-predicted one for every cut; the forward table has the ratio and the line after it the verdict.
