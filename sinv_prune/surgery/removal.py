@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -371,20 +371,8 @@ def plan_channels(adapter: HeadAdapter, mlp: Mapping[int, Iterable[int]]) -> dic
     """Validate the ``"mlp"`` part of a plan; per layer: (removed, kept channels), current numbering."""
     if not isinstance(mlp, Mapping):
         raise ValueError(f"plan['mlp'] must map layer index -> channel indices, got {type(mlp).__name__}")
-    num_layers = adapter.num_layers
-    out, seen = {}, {}
-    for raw_layer, raw_channels in sorted(mlp.items(), key=lambda kv: _index(kv[0], "layer")):
-        layer = _index(raw_layer, "layer")
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"mlp: unknown layer {layer}: the model has layers 0..{num_layers - 1}")
-        if layer in seen:
-            raise ValueError(f"mlp: layer {layer} is named more than once (keys {raw_layer!r} and {seen[layer]!r})")
-        seen[layer] = raw_layer
-        channels = _index_list(raw_channels, f"mlp layer {layer}: channels")
-        removed = [_index(c, f"channel in layer {layer}") for c in channels]
-        if len(set(removed)) != len(removed):
-            dupes = sorted({c for c in removed if removed.count(c) > 1})
-            raise ValueError(f"mlp layer {layer}: duplicate channel indices {dupes}")
+    out = {}
+    for layer, removed in _per_layer(adapter, mlp, "mlp ", "channel"):
         width = adapter.intermediate_size(layer)
         bad = [c for c in removed if not 0 <= c < width]
         if bad:
@@ -425,20 +413,9 @@ def plan_removal(
     """Validate a request; per layer: (removed, kept query heads, kept KV heads), current numbering."""
     if not isinstance(heads, Mapping):
         raise ValueError(f"heads must map layer index -> head indices, got {type(heads).__name__}")
-    num_layers = adapter.num_layers
-    plan, seen = {}, {}
-    for raw_layer, raw_heads in sorted(heads.items(), key=lambda kv: _index(kv[0], "layer")):
-        layer = _index(raw_layer, "layer")
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"unknown layer {layer}: the model has layers 0..{num_layers - 1}")
-        if layer in seen:
-            raise ValueError(f"layer {layer} is named more than once (keys {raw_layer!r} and {seen[layer]!r})")
-        seen[layer] = raw_layer
+    plan = {}
+    for layer, removed in _per_layer(adapter, heads, "", "head"):
         layout = adapter.layout(layer)
-        removed = [_index(h, f"head in layer {layer}") for h in _head_list(raw_heads, layer)]
-        if len(set(removed)) != len(removed):
-            dupes = sorted({h for h in removed if removed.count(h) > 1})
-            raise ValueError(f"layer {layer}: duplicate head indices {dupes}")
         bad = [h for h in removed if not 0 <= h < layout.num_heads]
         if bad:
             raise ValueError(f"layer {layer}: head indices {bad} out of range 0..{layout.num_heads - 1}")
@@ -457,9 +434,24 @@ def plan_removal(
     return plan
 
 
-def _head_list(value, layer: int) -> list:
-    """A layer's requested heads as a list; a bare index or a string is refused, not iterated."""
-    return _index_list(value, f"layer {layer}: heads", "head indices")
+def _per_layer(adapter: HeadAdapter, request: Mapping, unit: str, noun: str) -> Iterator[tuple[int, list[int]]]:
+    """``(layer, indices)`` of a ``{layer: [indices]}`` request, in layer order; layers in range, named once,
+    indices integers without repeats (``unit`` prefixes the messages: ``""`` for heads, ``"mlp "``)."""
+    num_layers, seen = adapter.num_layers, {}
+    where = f"{unit.strip()}: " if unit else ""
+    for raw_layer, raw in sorted(request.items(), key=lambda kv: _index(kv[0], "layer")):
+        layer = _index(raw_layer, "layer")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"{where}unknown layer {layer}: the model has layers 0..{num_layers - 1}")
+        if layer in seen:
+            raise ValueError(f"{where}layer {layer} is named more than once (keys {raw_layer!r} and {seen[layer]!r})")
+        seen[layer] = raw_layer
+        items = _index_list(raw, f"{unit}layer {layer}: {noun}s", f"{noun} indices" if not unit else "indices")
+        removed = [_index(i, f"{noun} in layer {layer}") for i in items]
+        if len(set(removed)) != len(removed):
+            dupes = sorted({i for i in removed if removed.count(i) > 1})
+            raise ValueError(f"{unit}layer {layer}: duplicate {noun} indices {dupes}")
+        yield layer, removed
 
 
 def _index_list(value, what: str, items: str = "indices") -> list:
