@@ -24,8 +24,8 @@ projection from the calibration batches; whole dropped blocks have nothing to re
 arm has no lsq row); then ``--steps`` steps of distillation (teacher the unpruned model, started from the
 lsq row where there is one) through ``run_trainer``. References: the unpruned model (one-shot ratios)
 and the unpruned model LM-fine-tuned the same steps on the same blocks (distilled ratios). Data,
-perplexity and training are ``bench_recovery.py``'s. ``--max-minutes`` skips the remaining distillation
-rows (25% last) once the run has lasted that long.
+perplexity and training are ``bench_recovery.py``'s. The first cut runs completely (one-shot rows, the
+reference fine-tune, distillation rows); after ``--max-minutes`` no later row starts (it is listed as skipped).
 
     OMP_NUM_THREADS=2 python scripts/bench_recovery.py --units --threads 2 --json units.json
     python scripts/bench_recovery.py --units --quick     # seconds; tiny random LLaMA, tests the script only
@@ -77,7 +77,7 @@ def parse(argv):
     ap.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant, clip 1.0)")
     ap.add_argument("--temperature", type=float, default=2.0)
     ap.add_argument("--alpha", type=float, default=0.5, help="distillation weight of the KL term")
-    ap.add_argument("--max-minutes", type=float, help="start no distillation row after this many minutes "
+    ap.add_argument("--max-minutes", type=float, help="after this many minutes start no row beyond the first cut "
                     "(default 30; --quick: no limit)")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -377,14 +377,20 @@ def run(argv=None, script: str = __file__) -> int:
         scores[unit] = part.criterion.compute(base, bench.score_batches)
         print(f"  scores {unit} ({name}): {time.perf_counter() - t0:.1f} s", flush=True)
 
-    rows, notes, keep, plans = [], {}, {}, {}
+    rows, notes, plans, skipped, trained = [], {}, {}, [], None
     partial = {**result, "model": model_info, "references": refs, "rows": rows}
-    for cut in args.cuts:
+
+    def over() -> bool:
+        return args.max_minutes is not None and time.perf_counter() - t_start > 60 * args.max_minutes
+
+    # Cut by cut, so the first cut (the targets') is complete before the budget guard can skip anything.
+    for index, cut in enumerate(args.cuts):
+        keep = {}
         for arm in args.arms:
             amounts = plan_arm(arm, cut, c)
-            if isinstance(amounts, str):
-                notes[cut, arm] = amounts
-                print(f"  {cut:>4.0%} {arm:<6} {amounts}", flush=True)
+            if isinstance(amounts, str) or (index and over()):
+                notes[cut, arm] = amounts if isinstance(amounts, str) else "skipped (time budget)"
+                print(f"  {cut:>4.0%} {arm:<6} {notes[cut, arm]}", flush=True)
                 continue
             plans[cut, arm] = amounts
             comps = [None] if arm == "layers" else [None, "lsq"]
@@ -392,26 +398,25 @@ def run(argv=None, script: str = __file__) -> int:
                 r, model = one_shot(bench, c, arm, cut, amounts, comp, scores)
                 rows.append(r)
                 if comp == comps[-1]:
-                    keep[cut, arm] = (model, r)
+                    keep[arm] = (model, r)
                 del model
             common.write_json(args.json, partial)
-    start = time.perf_counter()
-    model = bench.fresh()
-    trained = bench.train(model, distill=False)
-    refs["unpruned fine-tuned"] = recovery.ppl(model, test_ids, args, device)
-    del model
-    print(f"  unpruned, LM fine-tune {args.steps} steps: ppl {refs['unpruned fine-tuned']:.2f}  "
-          f"[{time.perf_counter() - start:.0f} s]", flush=True)  # fmt: skip
-    skipped = []
-    for cut, arm in list(keep):
-        if args.max_minutes is not None and time.perf_counter() - t_start > 60 * args.max_minutes:
-            skipped.append(f"{cut:.0%} {arm}")
-            continue
-        source, start_row = keep.pop((cut, arm))
-        rows.append(distilled(bench, c, source, start_row))
-        del source
-        common.write_json(args.json, partial)
-    keep.clear()
+        if trained is None:
+            start = time.perf_counter()
+            model = bench.fresh()
+            trained = bench.train(model, distill=False)
+            refs["unpruned fine-tuned"] = recovery.ppl(model, test_ids, args, device)
+            del model
+            print(f"  unpruned, LM fine-tune {args.steps} steps: ppl {refs['unpruned fine-tuned']:.2f}  "
+                  f"[{time.perf_counter() - start:.0f} s]", flush=True)  # fmt: skip
+        for arm in list(keep):
+            source, start_row = keep.pop(arm)
+            if index and over():
+                skipped.append(f"{cut:.0%} {arm}")
+                continue
+            rows.append(distilled(bench, c, source, start_row))
+            del source
+            common.write_json(args.json, partial)
     if skipped:
         print(f"  time budget ({args.max_minutes:g} min) spent: distillation skipped for {'; '.join(skipped)}")
 
