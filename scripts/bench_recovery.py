@@ -28,6 +28,9 @@ test.txt in non-overlapping windows of ``--seq-len``. ``--quick`` uses a tiny ra
     OMP_NUM_THREADS=2 python scripts/bench_recovery.py --threads 2 --plot docs/bench_recovery.png --json r.json
     python scripts/bench_recovery.py --quick          # seconds; tiny random LLaMA, tests the script only
     python scripts/bench_recovery.py --full --device cuda
+    python scripts/bench_recovery.py --units          # heads vs MLP vs layers vs a mix at matched parameter cuts
+
+``--units`` runs ``scripts/bench_units.py`` (its own options; ``--units --help``).
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ GLOBAL, UNIFORM = "10% global", "uniform 33%"
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
+    ap.add_argument("--units", action="store_true", help="heads vs MLP vs layers at matched parameter cuts "
+                    "(scripts/bench_units.py; its own options)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="tiny random LLaMA, tiny budgets: tests the script only")
     ap.add_argument("--full", action="store_true", help="every criterion and compensation, longer runs (for a GPU)")
     ap.add_argument("--criteria", nargs="+", choices=ALL_CRITERIA, help="one-shot criteria")
@@ -437,6 +442,10 @@ def plot(path: Path, rows: list[dict], refs: dict, title: str) -> None:
 
 
 def main(argv=None) -> int:
+    if "--units" in (sys.argv[1:] if argv is None else argv):
+        import bench_units  # units at matched parameter cuts (docs/benchmarks.md section 9)
+
+        return bench_units.main(argv, script=__file__)
     with common.quiet("sinv_prune", "transformers", "accelerate"):
         return run(argv)
 

@@ -274,6 +274,60 @@ def test_bench_recovery_quick(tmp_path, capsys, common):
     _png(tmp_path / "r.png")
 
 
+def test_bench_recovery_units_quick(tmp_path, capsys, common):
+    _need_wikitext(common)
+    argv = ["--units", "--quick", "--threads", "1", "--json", str(tmp_path / "u.json")]
+    result, out = _run("bench_recovery", argv, capsys)
+    _header(out, "bench_recovery", argv)
+    assert "targets (issue 12)" in out and "lowest perplexity per cut" in out
+    assert {"command", "settings", "model", "costs", "references", "plans", "notes", "rows", "targets", "winners",
+            "elapsed_s"} <= set(result)  # fmt: skip
+    assert set(result["references"]) == {"unpruned", "unpruned fine-tuned"}
+    c = result["costs"]
+    assert c["non_embedding"] == c["total"] - c["embedding"] and c["embedding"] > 0
+    assert set(result["notes"]) == {"0.25 heads"} and result["notes"]["0.25 heads"].startswith("n/a")
+    cost = {"heads": c["per_head"], "mlp": c["per_channel"], "layers": c["per_layer"]}
+    rows = result["rows"]
+    for key, amounts in result["plans"].items():
+        cut, arm = key.split()
+        mine = [r for r in rows if r["cut"] == float(cut) and r["arm"] == arm]
+        kinds = {(r["method"], r["recovery"].split()[0]) for r in mine}
+        methods = ["none"] if arm == "layers" else ["none", "lsq"]  # whole blocks: nothing to refit
+        assert kinds == {(m, "one-shot") for m in methods} | {(methods[-1], "distillation")}
+        for r in mine:
+            # the removal matches the plan, and the plan's parameter count is what count_parameters lost
+            assert r["heads_removed"] == amounts.get("heads", 0)
+            assert r["channels_removed"] == amounts.get("mlp", 0)
+            assert r["layers_removed"] == amounts.get("layers", 0)
+            assert r["params_removed"] == sum(n * cost[unit] for unit, n in amounts.items())
+            assert r["share"] == pytest.approx(r["params_removed"] / c["non_embedding"])
+            assert r["ppl"] > 1 and r["reference"] in result["references"]
+            assert ("compensation_s" in r) == (r["method"] == "lsq")
+            if r["recovery"] != "one-shot":
+                assert r["train"]["steps"] == result["settings"]["steps"]
+    assert len(result["targets"]) == 2 and all(isinstance(t["pass"], bool) for t in result["targets"])
+
+
+def test_bench_units_amounts_match_smollm2_cuts():
+    """SmolLM2-135M's unit costs: every arm lands within its unit's granularity of 10% / 25%."""
+    _script("_bench_common")  # puts scripts/ on sys.path
+    units = importlib.import_module("bench_units")  # a registered module: its dataclass needs that
+    c = units.Costs(total=134_515_008, embedding=28_311_552, per_head=73_728, per_channel=1_728, per_layer=3_540_096,
+                    layers=30, heads_per_layer=9, kv_per_layer=3, channels_per_layer=1536)  # fmt: skip
+    cost = {"heads": c.per_head, "mlp": c.per_channel, "layers": c.per_layer}
+    share = lambda amounts: c.share(sum(n * cost[u] for u, n in amounts.items()))  # noqa: E731
+    assert units.plan_arm("heads", 0.10, c) == {"heads": 144}  # 48 layers' worth of one head per KV group
+    assert units.plan_arm("mlp", 0.10, c) == {"mlp": 208 * 30}  # 1536 - 208 = 1328 = 166 x 8
+    assert units.plan_arm("layers", 0.10, c) == {"layers": 3}
+    assert units.plan_arm("mix", 0.10, c) == {"layers": 2, "mlp": 72 * 28}
+    assert units.plan_arm("mix", 0.25, c) == {"layers": 4, "mlp": 272 * 26}
+    assert "n/a" in units.plan_arm("heads", 0.25, c)
+    for cut in (0.10, 0.25):
+        for arm in ("mlp", "mix"):
+            assert abs(share(units.plan_arm(arm, cut, c)) - cut) < 0.002
+        assert abs(share(units.plan_arm("layers", cut, c)) - cut) <= c.share(c.per_layer) / 2 + 1e-9
+
+
 def test_bench_scale_cpu_tiny(tmp_path, capsys, common):
     """bench_scale on the CPU with the tiny shape: one table with every figure's row, MLP and depth cuts measured."""
     argv = ["--device", "cpu", "--shape", "tiny", "--json", str(tmp_path / "scale.json")]
