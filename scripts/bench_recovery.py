@@ -450,22 +450,26 @@ def main(argv=None) -> int:
         return run(argv)
 
 
-def run(argv=None) -> int:
-    args = parse(argv)
-    command = common.command_line(__file__, argv)
+def begin(args, title: str, script: str, argv) -> tuple | None:
+    """Threads, seed, header; (device, machine info, command, result dict), or None (JSON written) without WikiText."""
+    command = common.command_line(script, argv)
     device = common.pick_device(args.device)
     common.set_threads(args.threads if device == "cpu" else None)
     common.seed_everything(args.seed)
     info = common.machine(device)
-    common.print_header("Recovery after head pruning (bench_recovery)", command, info)
+    common.print_header(title, command, info)
     result = {"command": command, "machine": info,
               "settings": {k: v for k, v in vars(args).items() if not isinstance(v, Path)}}  # fmt: skip
     if common.wikitext_file("test") is None or common.wikitext_file("valid") is None:
         print(f"skipped: WikiText-2 valid.txt / test.txt not found under {common.WIKITEXT}")
         result["skipped"] = f"WikiText-2 not found under {common.WIKITEXT}"
         common.write_json(args.json, result)
-        return 0
-    t_start = time.perf_counter()
+        return None
+    return device, info, command, result
+
+
+def setup_bench(args, device) -> tuple:
+    """(Bench, base, model info, test ids, fine-tune blocks): the model, its teacher copy and the data."""
     base, tokenizer, model_info = load(args)
     base = base.to(device).eval()
     teacher = copy.deepcopy(base).eval().requires_grad_(False)  # the trainer freezes it; the base stays trainable
@@ -476,6 +480,17 @@ def run(argv=None) -> int:
     ft_data = lm_blocks(valid[calib_tokens:], args.ft_seq_len)
     test_ids = stream("test", tokenizer, args.eval_tokens)
     bench = Bench(base, tokenizer, teacher, test_ids, calib, ft_data, args, device)
+    return bench, base, model_info, test_ids, ft_data
+
+
+def run(argv=None) -> int:
+    args = parse(argv)
+    started = begin(args, "Recovery after head pruning (bench_recovery)", __file__, argv)
+    if started is None:
+        return 0
+    device, info, _, result = started
+    t_start = time.perf_counter()
+    bench, base, model_info, test_ids, ft_data = setup_bench(args, device)
     lay = bench.layouts[0]
     heads = sum(x.num_heads for x in bench.layouts)
     print(f"model: {model_info['model']}; {len(bench.layouts)} layers x {lay.num_heads} query / {lay.num_kv_heads} KV "

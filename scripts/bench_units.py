@@ -45,10 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench_common as common  # noqa: E402
 import bench_recovery as recovery  # noqa: E402
-from bench_criteria import stream  # noqa: E402
 
 from sinv_prune import Part, Pruner, count_parameters, get_adapter  # noqa: E402
-from sinv_prune.pipeline.data import lm_blocks  # noqa: E402
 from sinv_prune.pipeline.stages import StoredScores  # noqa: E402
 
 CUTS = (0.10, 0.25)
@@ -325,29 +323,12 @@ def main(argv=None, script: str = __file__) -> int:
 
 def run(argv=None, script: str = __file__) -> int:
     args = parse(argv)
-    command = common.command_line(script, argv)
-    device = common.pick_device(args.device)
-    common.set_threads(args.threads if device == "cpu" else None)
-    common.seed_everything(args.seed)
-    info = common.machine(device)
-    common.print_header("Units at matched parameter cuts (bench_recovery --units)", command, info)
-    result = {"command": command, "machine": info,
-              "settings": {k: v for k, v in vars(args).items() if not isinstance(v, Path)}}  # fmt: skip
-    if common.wikitext_file("test") is None or common.wikitext_file("valid") is None:
-        print(f"skipped: WikiText-2 valid.txt / test.txt not found under {common.WIKITEXT}")
-        result["skipped"] = f"WikiText-2 not found under {common.WIKITEXT}"
-        common.write_json(args.json, result)
+    started = recovery.begin(args, "Units at matched parameter cuts (bench_recovery --units)", script, argv)
+    if started is None:
         return 0
+    device, info, _, result = started
     t_start = time.perf_counter()
-    base, tokenizer, model_info = recovery.load(args)
-    base = base.to(device).eval()
-    teacher = copy.deepcopy(base).eval().requires_grad_(False)
-    calib_tokens = args.calib_batches * args.calib_seq_len
-    valid = stream("valid", tokenizer, calib_tokens + args.steps * args.batch * args.ft_seq_len)
-    calib = [{"input_ids": b[None]} for b in valid[:calib_tokens].view(args.calib_batches, args.calib_seq_len)]
-    ft_data = lm_blocks(valid[calib_tokens:], args.ft_seq_len)
-    test_ids = stream("test", tokenizer, args.eval_tokens)
-    bench = recovery.Bench(base, tokenizer, teacher, test_ids, calib, ft_data, args, device)
+    bench, base, model_info, test_ids, _ = recovery.setup_bench(args, device)
     c = costs(base)
     print(f"model: {model_info['model']}; {c.total:,} parameters, of which token embedding (tied) {c.embedding:,}, "
           f"non-embedding {c.non_embedding:,}")  # fmt: skip
