@@ -170,14 +170,16 @@ def _nonnegative(value, what: str) -> int:
     return value
 
 
-def _count(amount, total: int) -> int:
+def _count(amount, total: int, noun: str = "heads") -> int:
+    """An int amount, or a float fraction of ``total`` rounded half up, checked against ``total`` ``noun``."""
     if isinstance(amount, float):
         if not 0.0 <= amount <= 1.0:
-            raise ValueError(f"a float amount is a fraction in [0, 1], got {amount!r} (pass an int for a head count)")
+            count_of = "a head count" if noun == "heads" else "a count"
+            raise ValueError(f"a float amount is a fraction in [0, 1], got {amount!r} (pass an int for {count_of})")
         return math.floor(amount * total + 0.5)
     count = _nonnegative(amount, "amount")
     if count > total:
-        raise ValueError(f"amount {count} is larger than the {total} heads of the model")
+        raise ValueError(f"amount {count} is larger than the {total} {noun} of the model")
     return count
 
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 from torch import nn
 
 from sinv_prune.scoring.criteria.base import channel_counts
-from sinv_prune.scoring.selection import MODES, _knapsack, _nonnegative, _ranks
+from sinv_prune.scoring.selection import MODES, _count, _knapsack, _nonnegative, _ranks
 
 logger = logging.getLogger(__name__)
 
@@ -150,17 +150,6 @@ def _check_rows(scores, sizes: list[int]) -> list[list[float]]:
             raise ValueError(f"layer {layer}: NaN scores cannot be ranked")
         rows.append(row)
     return rows
-
-
-def _count(amount, total: int, noun: str) -> int:
-    if isinstance(amount, float):
-        if not 0.0 <= amount <= 1.0:
-            raise ValueError(f"a float amount is a fraction in [0, 1], got {amount!r} (pass an int for a count)")
-        return math.floor(amount * total + 0.5)
-    count = _nonnegative(amount, "amount")
-    if count > total:
-        raise ValueError(f"amount {count} is larger than the {total} {noun} of the model")
-    return count
 
 
 # -- per layer and across layers ----------------------------------------------------------
