@@ -231,6 +231,24 @@ def print_header(title: str, command: str, info: dict) -> None:
     print(flush=True)
 
 
+def begin_wikitext_run(args, title: str, script: str, argv, device: str, threads: int | None) -> tuple | None:
+    """Threads, seed (``args.seed``), header: (machine info, result dict); or None, with the result written to
+    ``args.json``, where WikiText-2 valid.txt / test.txt are absent."""
+    command = command_line(script, argv)
+    set_threads(threads)
+    seed_everything(args.seed)
+    info = machine(device)
+    print_header(title, command, info)
+    result = {"command": command, "machine": info,
+              "settings": {k: v for k, v in vars(args).items() if not isinstance(v, Path)}}  # fmt: skip
+    if wikitext_file("test") is None or wikitext_file("valid") is None:
+        print(f"skipped: WikiText-2 valid.txt / test.txt not found under {WIKITEXT}")
+        result["skipped"] = f"WikiText-2 not found under {WIKITEXT}"
+        write_json(args.json, result)
+        return None
+    return info, result
+
+
 def finish(info: dict) -> None:
     info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     cores = info.get("cpu_cores") or 1

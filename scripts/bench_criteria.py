@@ -346,19 +346,12 @@ def main(argv=None) -> int:
 
 def run(argv=None) -> int:
     args = parse(argv)
-    command = common.command_line(__file__, argv)
     device = common.pick_device(args.device)
-    common.set_threads(args.threads)
-    common.seed_everything(args.seed)
-    info = common.machine(device)
-    common.print_header("Pruning criteria on real weights (bench_criteria)", command, info)
-    result = {"command": command, "machine": info, "settings": {k: v for k, v in vars(args).items()
-                                                                if not isinstance(v, Path)}}  # fmt: skip
-    if common.wikitext_file("test") is None or common.wikitext_file("valid") is None:
-        print(f"skipped: WikiText-2 valid.txt / test.txt not found under {common.WIKITEXT}")
-        result["skipped"] = f"WikiText-2 not found under {common.WIKITEXT}"
-        common.write_json(args.json, result)
+    title = "Pruning criteria on real weights (bench_criteria)"
+    started = common.begin_wikitext_run(args, title, __file__, argv, device, args.threads)
+    if started is None:
         return 0
+    info, result = started
     t_start = time.perf_counter()
 
     base, tokenizer, model_info = load(args)

@@ -450,24 +450,6 @@ def main(argv=None) -> int:
         return run(argv)
 
 
-def begin(args, title: str, script: str, argv) -> tuple | None:
-    """Threads, seed, header; (device, machine info, command, result dict), or None (JSON written) without WikiText."""
-    command = common.command_line(script, argv)
-    device = common.pick_device(args.device)
-    common.set_threads(args.threads if device == "cpu" else None)
-    common.seed_everything(args.seed)
-    info = common.machine(device)
-    common.print_header(title, command, info)
-    result = {"command": command, "machine": info,
-              "settings": {k: v for k, v in vars(args).items() if not isinstance(v, Path)}}  # fmt: skip
-    if common.wikitext_file("test") is None or common.wikitext_file("valid") is None:
-        print(f"skipped: WikiText-2 valid.txt / test.txt not found under {common.WIKITEXT}")
-        result["skipped"] = f"WikiText-2 not found under {common.WIKITEXT}"
-        common.write_json(args.json, result)
-        return None
-    return device, info, command, result
-
-
 def setup_bench(args, device) -> tuple:
     """(Bench, base, model info, test ids, fine-tune blocks): the model, its teacher copy and the data."""
     base, tokenizer, model_info = load(args)
@@ -485,10 +467,12 @@ def setup_bench(args, device) -> tuple:
 
 def run(argv=None) -> int:
     args = parse(argv)
-    started = begin(args, "Recovery after head pruning (bench_recovery)", __file__, argv)
+    device = common.pick_device(args.device)
+    title = "Recovery after head pruning (bench_recovery)"
+    started = common.begin_wikitext_run(args, title, __file__, argv, device, args.threads if device == "cpu" else None)
     if started is None:
         return 0
-    device, info, _, result = started
+    info, result = started
     t_start = time.perf_counter()
     bench, base, model_info, test_ids, ft_data = setup_bench(args, device)
     lay = bench.layouts[0]

@@ -323,10 +323,12 @@ def main(argv=None, script: str = __file__) -> int:
 
 def run(argv=None, script: str = __file__) -> int:
     args = parse(argv)
-    started = recovery.begin(args, "Units at matched parameter cuts (bench_recovery --units)", script, argv)
+    device = common.pick_device(args.device)
+    title = "Units at matched parameter cuts (bench_recovery --units)"
+    started = common.begin_wikitext_run(args, title, script, argv, device, args.threads if device == "cpu" else None)
     if started is None:
         return 0
-    device, info, _, result = started
+    info, result = started
     t_start = time.perf_counter()
     bench, base, model_info, test_ids, _ = recovery.setup_bench(args, device)
     c = costs(base)
