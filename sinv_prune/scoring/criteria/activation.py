@@ -11,7 +11,7 @@ from torch import nn
 from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import linear_weight
 from sinv_prune.scoring.criteria import register_criterion
-from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, model_device, preserve_modes
+from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, model_device, observe
 
 METRICS = ("fluctuation", "magnitude")
 _NOUN = {"heads": "head", "mlp": "channel"}
@@ -77,12 +77,7 @@ class ActivationCriterion(Criterion):
             for layer, (module, groups, _) in enumerate(sites)
             if groups
         ]
-        try:
-            with preserve_modes(model), torch.no_grad():
-                model(**batch)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        observe(model, batch, hooks)
         self._merge(seen, [width for _, _, width in sites])
 
     def scores(self, model: nn.Module) -> Scores:

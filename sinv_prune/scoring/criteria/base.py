@@ -159,6 +159,16 @@ def batch_to(batch: Mapping[str, Any], device: torch.device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def observe(model: nn.Module, batch: Mapping[str, Any], hooks: list) -> None:
+    """One eval-mode, no-grad forward of ``batch`` for the given hook handles, removed afterwards (also on error)."""
+    try:
+        with preserve_modes(model), torch.no_grad():
+            model(**batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 class preserve_modes:
     """Context manager: set ``model`` to eval (or train) mode, restore every module's mode after."""
 

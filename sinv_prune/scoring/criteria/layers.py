@@ -11,7 +11,7 @@ from torch import nn
 
 from sinv_prune.arch import get_adapter
 from sinv_prune.scoring.criteria import register_criterion
-from sinv_prune.scoring.criteria.base import Criterion, batch_to, model_device, preserve_modes
+from sinv_prune.scoring.criteria.base import Criterion, batch_to, model_device, observe
 
 
 @register_criterion("block_influence")
@@ -50,12 +50,7 @@ class BlockInfluenceCriterion(Criterion):
         hooks = [
             block.register_forward_hook(_cosine(sums, i, mask), with_kwargs=True) for i, block in enumerate(blocks)
         ]
-        try:
-            with preserve_modes(model), torch.no_grad():
-                model(**batch)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        observe(model, batch, hooks)
         missing = [i for i in range(len(blocks)) if i not in sums]
         if missing:
             raise ValueError(f"block_influence: blocks {missing} were not called in the forward pass")
