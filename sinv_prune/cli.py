@@ -394,6 +394,60 @@ def push(source: Path, repo_id: str, private: bool, revision, overwrite: bool, c
     click.echo(f"pushed {len(result.files)} files{gone} to {result.url} ({result.revision}): {result.commit_url}")
 
 
+@main.command(name="eval")
+@click.argument("source")
+@click.option(
+    "--tasks",
+    default="",
+    metavar="T1,T2,..",
+    help="lm-eval task names, wikitext_lastword (offline, shipped) or directories of task YAML files.",
+)
+@click.option("--limit", type=float, default=None, help="Items per task (below 1: a fraction); default all.")
+@click.option("--num-fewshot", type=click.IntRange(0), default=0, show_default=True, help="Few-shot examples.")
+@click.option("--batch-size", default="auto", show_default=True, metavar="auto|N", help="lm-eval's batch size.")
+@click.option("--perplexity", is_flag=True, help="Also the WikiText-2 test perplexity (SINV_PRUNE_WIKITEXT).")
+@click.option("--max-tokens", type=click.IntRange(2), default=None, help="Perplexity on the first N tokens only.")
+@click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when present).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write each task's metrics to FILE.")
+@click.option("--overwrite", is_flag=True, help="Replace the --json FILE if it exists.")
+def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens, gguf_file, device, json_path,
+          overwrite):  # fmt: skip
+    """Zero-shot tasks (lm-evaluation-harness) on the model at SOURCE: a checkpoint directory, Hub id or GGUF file."""
+    from sinv_prune.lmeval.command import evaluate_source
+    from sinv_prune.lmeval.harness import TasksError, make_table
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names and not perplexity:
+        raise UsageError("give --tasks (comma-separated) and/or --perplexity")
+    if batch_size != "auto" and not (batch_size.isdigit() and int(batch_size) > 0):
+        raise UsageError(f"--batch-size: expected 'auto' or a positive integer, got {batch_size!r}")
+    if limit is not None and (limit <= 0 or (limit >= 1 and not limit.is_integer())):
+        raise UsageError(f"--limit: expected a positive count or a fraction below 1, got {limit:g}")
+    if json_path is not None and json_path.exists() and not overwrite:
+        raise UsageError(f"{json_path} exists; pass --overwrite to replace it")
+    source = _model_source(source, gguf_file)
+    try:
+        out = evaluate_source(
+            source, names, gguf_file=gguf_file, limit=int(limit) if limit and limit >= 1 else limit,
+            num_fewshot=num_fewshot, batch_size=batch_size, device=device, perplexity=perplexity,
+            max_tokens=max_tokens,
+        )  # fmt: skip
+    except (TasksError, OSError, ValueError) as err:
+        raise UsageError(_one_line(err)) from None
+    if "raw" in out:
+        click.echo(make_table({"lm_eval": out["raw"]}))
+    if "perplexity" in out:
+        ppl = out["perplexity"]
+        click.echo(f"WikiText-2 test perplexity: {ppl['perplexity']:.3f} ({ppl['tokens']:,} tokens, windows of "
+                   f"{ppl['seq_len']}, stride {ppl['stride']})")  # fmt: skip
+    if json_path is not None:
+        from sinv_prune.pipeline.rundir import write_json
+
+        write_json(json_path, {k: v for k, v in out.items() if k != "raw"})
+        click.echo(f"wrote {json_path}")
+
+
 @main.command()
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Directory for the report.")

@@ -112,7 +112,7 @@ def _probe(recipe: Recipe, device: str, config_s: float) -> Probe:
     vocab = model.get_input_embeddings().num_embeddings
     seq_len = recipe.data.seq_len
     fb_batch = max([s.batch_size for s in _trainer_specs(recipe)] + [recipe.score.batch_size])
-    fwd_batch = max(recipe.evaluate.batch_size, recipe.evaluate.speed_batch_size)
+    fwd_batch = max(recipe.evaluate.window_batch_size, recipe.evaluate.speed_batch_size)
     model.train()
     forward_backward = _grow(lambda b, n: _forward_backward(model, b, n, vocab, device), fb_batch, seq_len, device)
     optimizer_s, optimizer_bytes = {}, {}
@@ -484,7 +484,7 @@ def _evaluate_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:
     n = min(tokens.get(split, data.max_eval_tokens or 0), data.max_eval_tokens or math.inf)
     stride = data.eval_stride or data.seq_len
     windows = math.ceil(max(n - data.seq_len, 0) / stride) + 1
-    eval_s = math.ceil(windows / spec.batch_size) * probe.forward(spec.batch_size * data.seq_len)
+    eval_s = math.ceil(windows / spec.window_batch_size) * probe.forward(spec.window_batch_size * data.seq_len)
     if spec.speed:
         speed_tokens = spec.speed_batch_size * (spec.speed_seq_len or data.seq_len)
         eval_s += 2 * (3 + spec.speed_repeats) * probe.forward(speed_tokens)  # warm-up + repeats, two models

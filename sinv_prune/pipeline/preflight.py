@@ -198,6 +198,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     """Check what can be checked before any work; returns the starting model's head layouts."""
     from sinv_prune.pipeline.distill import check_teacher
     from sinv_prune.pipeline.model_settings import check_model_settings
+    from sinv_prune.pipeline.tasks import check_recipe_tasks
     from sinv_prune.scoring.criteria import criterion_class
 
     files = recipe.data.files
@@ -223,6 +224,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     check_model_settings(recipe, adapter.model)
     check_symmetry_breaking(recipe, adapter)
     check_compensation(recipe, adapter)
+    check_recipe_tasks(recipe, is_masked_lm(adapter.model))
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
     for where, part in arm_parts(recipe):
         check_amount(part, adapter, layouts, f"{where}.amount")

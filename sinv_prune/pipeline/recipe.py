@@ -559,11 +559,52 @@ class PruneSpec(Strict):
 
 
 class EvaluateSpec(Strict):
-    batch_size: int = Field(8, gt=0)
+    """Perplexity (or MLM loss), speed, zero-shot tasks and generations of the baseline and every arm.
+
+    ``tasks``: lm-eval task names, ``wikitext_lastword`` (shipped, offline) or directories of
+    lm-eval task YAML files (relative to the recipe); needs ``pip install "sinv_prune[eval]"``.
+    ``num_fewshot`` (null: each task's default) and ``limit`` (items per task; below 1: a
+    fraction) go to lm-eval. ``batch_size``: perplexity windows and lm-eval requests at once;
+    ``auto`` lets lm-eval find the largest that fits on an accelerator (8 on the CPU and for
+    perplexity). ``prompts``: continued greedily for 32 tokens by every model (omitted: three
+    fixed prompts; ``[]``: none)::
+
+        evaluate: {tasks: [wikitext_lastword, ./my_tasks], num_fewshot: 0, limit: 500, batch_size: auto}
+    """
+
+    batch_size: int | Literal["auto"] = 8
     speed: bool = True
     speed_batch_size: int = Field(4, gt=0)
     speed_seq_len: int | None = Field(None, gt=0)
     speed_repeats: int = Field(10, gt=0)
+    tasks: list[str] = Field(default_factory=list)
+    num_fewshot: int | None = Field(0, ge=0)
+    limit: int | float | None = None
+    prompts: list[str] | None = None
+
+    @field_validator("batch_size")
+    @classmethod
+    def _positive_batch(cls, v):
+        if v != "auto" and v <= 0:
+            raise ValueError("batch_size must be a positive integer or 'auto'")
+        return v
+
+    @field_validator("limit")
+    @classmethod
+    def _positive_limit(cls, v):
+        if v is not None and (v <= 0 or (isinstance(v, float) and v >= 1 and not v.is_integer())):
+            raise ValueError("limit must be a positive count of items, or a fraction below 1")
+        return int(v) if isinstance(v, float) and v >= 1 else v
+
+    @property
+    def window_batch_size(self) -> int:
+        """Perplexity windows at once (``auto``: 8)."""
+        return 8 if self.batch_size == "auto" else self.batch_size
+
+    @property
+    def task_batch_size(self) -> int | str:
+        """lm-eval's batch size (``auto``: lm-eval's detection on an accelerator, 8 on the CPU)."""
+        return self.batch_size
 
 
 class ReportSpec(Strict):

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from sinv_prune.pipeline.recipe import Recipe
+from sinv_prune.pipeline.report_tasks import generation_lines, plot_accuracy_vs_params, task_lines
 from sinv_prune.pipeline.rundir import write_json, write_text
 
 logger = logging.getLogger("sinv_prune")
@@ -16,6 +17,8 @@ def write_report(root: Path, results: dict, recipe: Recipe, *, plots: bool = Tru
     figures = []
     if plots:
         figures.append(plot_perplexity_vs_params(results, root / "plots" / "perplexity_vs_params.png"))
+        accuracy = plot_accuracy_vs_params(results, root / "plots" / "accuracy_vs_params.png")
+        figures += [accuracy] if accuracy else []
         trace = root / "trace.jsonl"
         if trace.exists():
             from sinv_prune.scoring.diagnostics import plot_trace, summarize_trace
@@ -166,6 +169,8 @@ def markdown_report(results: dict, recipe: Recipe) -> str:
         what = f"{rep.get('measure', 'C_Q')} < {rep.get('threshold')}"
         lines += ["", f"`{arm['name']}`: {rep['crossed']} heads crossed {what} within the window; "
                   "the rest were ordered by their lowest value in it."]  # fmt: skip
+    for extra in (task_lines(results), generation_lines(results)):
+        lines += ["", *extra] if extra else []
     if results.get("trace_summary"):
         summary = results["trace_summary"]
         lines += ["", "## Convergence trace", "", "```", _short(summary), "```"]

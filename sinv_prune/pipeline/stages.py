@@ -48,6 +48,7 @@ from sinv_prune.pipeline.ranks import Ranks
 from sinv_prune.pipeline.recipe import ArmSpec, PartSpec, Recipe, recipe_to_yaml
 from sinv_prune.pipeline.report import removed_text, write_report
 from sinv_prune.pipeline.rundir import RunDir, write_dir, write_json, write_text
+from sinv_prune.pipeline.tasks import model_tasks
 from sinv_prune.pipeline.threads import parse_threads, recipe_threads
 from sinv_prune.pipeline.training import remove_checkpoints, run_trainer
 from sinv_prune.scoring.criteria import Criterion, StoredScores, criterion_class, get_criterion
@@ -606,7 +607,7 @@ def evaluate_model(run: Run, model, label: str, *, offload: bool = False) -> dic
             ids,
             seq_len=data.seq_len,
             seed=run.recipe.seed,
-            batch_size=spec.batch_size,
+            batch_size=spec.window_batch_size,
             mask_token_id=run.tokenizer.mask_token_id,
             special_ids=tuple(run.tokenizer.all_special_ids),
             max_tokens=data.max_eval_tokens,
@@ -618,11 +619,12 @@ def evaluate_model(run: Run, model, label: str, *, offload: bool = False) -> dic
             ids,
             seq_len=data.seq_len,
             stride=stride,
-            batch_size=spec.batch_size,
+            batch_size=spec.window_batch_size,
             max_tokens=data.max_eval_tokens,
             progress=not run.quiet,
         )
         out.update(perplexity=res["perplexity"], nll=res["nll"], eval=res)
+    out.update(model_tasks(run.recipe, run.root, run.tokenizer, model, masked_lm=is_masked_lm(model), label=label))
     if spec.speed:
         # Interleaved with the baseline in one process, so machine load hits both alike.
         speed = compare_speed(
@@ -693,6 +695,8 @@ def stage_evaluate(run: Run) -> dict:
         "task": "masked-lm" if run.mlm else "causal-lm",
         "train": run.dir.state.get("train"),
     }
+    if results["baseline"].get("lm_eval"):
+        results["run"]["lm_eval"] = results["baseline"]["lm_eval"]
     write_json(path, results)
     run.dir.finish("evaluate")
     return results

@@ -1,0 +1,281 @@
+"""lm-evaluation-harness on an in-memory model: the one place ``lm_eval`` is imported.
+
+``lm-eval`` is an optional extra (``pip install "sinv_prune[eval]"``); :func:`require_lm_eval`
+turns its absence into a one-line :class:`TasksError` naming that command.
+
+A task entry (recipe ``evaluate.tasks``, ``sinv-prune eval --tasks``) is one of
+
+* ``wikitext_lastword``: the offline task shipped here (:mod:`sinv_prune.lmeval.lastword`),
+  built from the local WikiText-2 test text into a directory the caller owns;
+* a directory of lm-eval task YAML files (local data: ``dataset_path: json`` with
+  ``dataset_kwargs: {data_files: ...}``): every task defined in it;
+* any other name: a task, group or tag of lm-eval's own registry (their data usually come from
+  the Hub, which must then be reachable).
+
+:func:`evaluate_tasks` wraps the model in ``HFLM(pretrained=model, tokenizer=...)`` (no reload
+by id, so remote-code pruned and GGUF-loaded models evaluate as they are in memory) and calls
+``lm_eval.simple_evaluate``. It returns each task's metrics with their standard errors, and the
+pins that change numbers: lm-eval's version, each task's version, few-shot count, limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PIP_COMMAND = 'pip install "sinv_prune[eval]"'
+#: lm-eval's batch size on the CPU when ``auto`` is asked: its detection times batches of up to 64
+#: of the longest request five times, and finds no out-of-memory error to stop at on the CPU.
+CPU_AUTO_BATCH_SIZE = 8
+#: Bootstrap resamples for standard errors without a closed form (perplexity): lm-eval's default,
+#: 100,000, takes minutes per task on a CPU and adds nothing at the precision a stderr is read.
+BOOTSTRAP_ITERS = 1000
+
+
+class TasksError(ValueError):
+    """A task list that cannot run (lm-eval missing, unknown task, empty directory); one line."""
+
+
+def require_lm_eval():
+    """The ``lm_eval`` module, or :class:`TasksError` with the pip command when it is not installed."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise TasksError(f"lm-eval is not installed; run: {PIP_COMMAND}") from None
+    return lm_eval
+
+
+@dataclass
+class TaskSet:
+    """Resolved task entries: the names lm-eval evaluates and the directories that define some of them."""
+
+    names: list[str] = field(default_factory=list)
+    include: list[str] = field(default_factory=list)
+    defaults: bool = False  # whether lm-eval's own registry is needed (5 s to index)
+    builds: dict[str, dict] = field(default_factory=dict)  # built tasks: their build.json
+
+    def task_manager(self):
+        """lm-eval's ``TaskManager`` over the directories (and its own tasks only where needed)."""
+        require_lm_eval()
+        from lm_eval.tasks import TaskManager
+
+        return TaskManager(include_path=self.include or None, include_defaults=self.defaults)
+
+
+def _entry_dir(entry: str, base_dir: Path) -> Path | None:
+    """The directory ``entry`` names (relative to ``base_dir``), None for a task name."""
+    path = Path(entry).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    if path.exists() or "/" in entry or entry.startswith((".", "~")) or os.sep in entry:
+        return path
+    return None
+
+
+def _dir_tasks(path: Path, where: str) -> list[str]:
+    from lm_eval.tasks import TaskManager
+
+    if not path.exists():
+        raise TasksError(f"{where}: no such task directory: {path}")
+    if not path.is_dir():
+        raise TasksError(f"{where}: {path} is a file; give the directory that holds lm-eval task YAML files")
+    names = TaskManager(include_path=str(path), include_defaults=False).all_subtasks
+    if not names:
+        raise TasksError(f"{where}: no lm-eval task (a YAML file with a 'task:' key) in {path}")
+    return names
+
+
+def resolve_tasks(
+    entries: list[str], base_dir: str | os.PathLike = ".", *, build_dir: str | os.PathLike | None = None,
+    where: str = "tasks",
+) -> TaskSet:  # fmt: skip
+    """Check ``entries`` and resolve them to a :class:`TaskSet`; ``TasksError`` naming ``where[i]`` if one is bad.
+
+    ``build_dir`` None checks only (nothing is written: the preflight); otherwise the shipped
+    tasks are built there.
+    """
+    from sinv_prune.lmeval import lastword
+
+    try:
+        require_lm_eval()
+    except TasksError as err:
+        raise TasksError(f"{where}: {err}") from None
+    base_dir = Path(base_dir)
+    out = TaskSet()
+    named: list[tuple[str, str]] = []
+    for i, entry in enumerate(entries):
+        here = f"{where}[{i}]"
+        if entry == lastword.TASK_NAME:
+            try:
+                if build_dir is None:
+                    lastword.source_file()
+                    built = None
+                else:
+                    built = lastword.build_lastword_task(build_dir)
+            except (FileNotFoundError, ValueError) as err:
+                raise TasksError(f"{here}: {err}") from None
+            if built is not None:
+                out.include.append(str(built))
+                out.builds[entry] = json.loads((built / "build.json").read_text())
+            out.names.append(entry)
+            continue
+        path = _entry_dir(entry, base_dir)
+        if path is not None:
+            out.names += _dir_tasks(path, here)
+            out.include.append(str(path.resolve()))
+        else:
+            named.append((here, entry))
+            out.names.append(entry)
+    if named:
+        out.defaults = True
+        known = set(out.task_manager().all_tasks)
+        for here, name in named:
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise TasksError(f"{here}: unknown lm-eval task {name!r}{hint}")
+    dupes = sorted({n for n in out.names if out.names.count(n) > 1})
+    if dupes:
+        raise TasksError(f"{where}: task {dupes[0]!r} is asked for twice")
+    return out
+
+
+def resolve_batch_size(batch_size: int | str, device) -> int | str:
+    """``auto`` is lm-eval's own detection on an accelerator, :data:`CPU_AUTO_BATCH_SIZE` on the CPU."""
+    if batch_size != "auto":
+        return int(batch_size)
+    return CPU_AUTO_BATCH_SIZE if str(device).startswith("cpu") else "auto"
+
+
+def evaluate_tasks(
+    model,
+    tokenizer,
+    tasks: TaskSet,
+    *,
+    num_fewshot: int | None = 0,
+    limit: int | float | None = None,
+    batch_size: int | str = "auto",
+    bootstrap_iters: int = BOOTSTRAP_ITERS,
+    task_manager=None,
+) -> dict[str, Any]:
+    """Evaluate the in-memory ``model`` on ``tasks`` with lm-eval; the model stays where it is.
+
+    Returns ``{"tasks": {name: {metric: value, metric_stderr: value, ..., "samples": n}},
+    "pins": {...}, "lm_eval": lm-eval's own result dict}``. Metrics keep lm-eval's names
+    (``acc``, ``acc_norm``, ``perplexity``; a filter other than ``none`` stays in the name,
+    ``exact_match,strict-match``). Python, NumPy and torch random states are restored after.
+    """
+    require_lm_eval()
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    batch = resolve_batch_size(batch_size, model.device)
+    with _quiet_lm_eval(), _keep_rng():
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch)
+        raw = simple_evaluate(
+            model=lm,
+            tasks=list(tasks.names),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            bootstrap_iters=bootstrap_iters,
+            task_manager=task_manager or tasks.task_manager(),
+            log_samples=False,
+        )
+    per_task = {name: task_metrics(raw["results"][name]) for name in raw["results"]}
+    for name, row in per_task.items():
+        samples = raw.get("n-samples", {}).get(name)
+        if samples:
+            row["samples"] = samples["effective"]
+    return {"tasks": per_task, "pins": pins(raw, tasks, num_fewshot, limit, batch, bootstrap_iters), "lm_eval": raw}
+
+
+def task_metrics(entry: dict) -> dict[str, float | None]:
+    """lm-eval's ``{"acc,none": x, "acc_stderr,none": s, "alias": ...}`` -> ``{"acc": x, "acc_stderr": s}``."""
+    out: dict[str, float | None] = {}
+    for key, value in entry.items():
+        if "," not in key:
+            continue  # alias, name, sample_len
+        metric, _, filt = key.partition(",")
+        name = metric if filt == "none" else key
+        out[name] = float(value) if isinstance(value, (int, float)) else None  # "N/A" stderrs
+    return out
+
+
+def pins(raw: dict, tasks: TaskSet, num_fewshot, limit, batch_size, bootstrap_iters: int) -> dict[str, Any]:
+    """What changes the numbers: lm-eval's version, each task's version, few-shot count, limit, ..."""
+    import lm_eval
+
+    per_task = {}
+    for name in raw["results"]:
+        per_task[name] = {
+            "version": raw.get("versions", {}).get(name),
+            "num_fewshot": raw.get("n-shot", {}).get(name),
+            "samples": raw.get("n-samples", {}).get(name),
+            "higher_is_better": raw.get("higher_is_better", {}).get(name),
+        }
+    return {
+        "lm_eval_version": raw.get("lm_eval_version") or getattr(lm_eval, "__version__", None),
+        "num_fewshot": num_fewshot,
+        "limit": limit,
+        "batch_size": batch_size,
+        "bootstrap_iters": bootstrap_iters,
+        "tasks": per_task,
+        "task_dirs": list(tasks.include),
+        "builds": dict(tasks.builds),
+    }
+
+
+HEADLINE_METRICS = ("acc_norm", "acc")
+
+
+def headline(metrics: dict) -> tuple[str, float] | None:
+    """The metric a task's report column shows: ``acc_norm`` where lm-eval reports it, else ``acc``."""
+    for name in HEADLINE_METRICS:
+        if metrics.get(name) is not None:
+            return name, metrics[name]
+    return None
+
+
+def make_table(result: dict) -> str:
+    """lm-eval's own markdown table of an :func:`evaluate_tasks` result."""
+    from lm_eval.utils import make_table as lm_make_table
+
+    return lm_make_table(result["lm_eval"])
+
+
+@contextlib.contextmanager
+def _quiet_lm_eval():
+    """lm-eval's warnings about a model passed as an object (expected here) off; bootstrap in-process."""
+    log = logging.getLogger("lm_eval")
+    level, env = log.level, os.environ.get("DISABLE_MULTIPROC")
+    log.setLevel(logging.ERROR)
+    os.environ["DISABLE_MULTIPROC"] = "1"  # no process pool forked from a process holding a model
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+        if env is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = env
+
+
+@contextlib.contextmanager
+def _keep_rng():
+    """simple_evaluate seeds Python, NumPy and torch; the caller's random streams go on as before."""
+    import numpy as np
+    import torch
+
+    state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng():
+        try:
+            yield
+        finally:
+            random.setstate(state)
+            np.random.set_state(np_state)

@@ -1,0 +1,162 @@
+"""The report's zero-shot task table, its pins, the accuracy plot and the generations side by side.
+
+Each task's column shows the metric lm-eval names ``acc_norm`` where the task reports it, else
+``acc`` (:func:`sinv_prune.lmeval.headline`), with its standard error; ``mean`` is the plain
+mean of those columns. Rows: the baseline, then every arm after pruning and after fine-tuning.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _models(results: dict) -> list[tuple[str, str, dict]]:
+    """``(arm, stage, evaluation)`` for the baseline and every arm's pruned and fine-tuned model."""
+    rows = [("baseline", "-", results["baseline"])]
+    for arm in results["arms"]:
+        for stage in ("pruned", "finetuned"):
+            if arm.get(stage):
+                rows.append((arm["name"], "fine-tuned" if stage == "finetuned" else stage, arm[stage]))
+    return rows
+
+
+def task_names(results: dict) -> list[str]:
+    """The tasks every model was evaluated on, in the baseline's order."""
+    return list((results["baseline"].get("tasks") or {}).keys())
+
+
+def _headline(metrics: dict | None):
+    from sinv_prune.lmeval.harness import headline
+
+    return headline(metrics) if metrics else None
+
+
+def mean_accuracy(evaluation: dict, names: list[str]) -> float | None:
+    """The mean over ``names`` of each task's headline metric (None if a task lacks one)."""
+    values = [_headline((evaluation.get("tasks") or {}).get(n)) for n in names]
+    if not values or any(v is None for v in values):
+        return None
+    return sum(v[1] for v in values) / len(values)
+
+
+def task_lines(results: dict) -> list[str]:
+    """Markdown: the task table (a column per task and the mean) and the pins under it; [] without tasks."""
+    names = task_names(results)
+    if not names:
+        return []
+    columns = []
+    for name in names:
+        head = _headline(results["baseline"]["tasks"][name])
+        columns.append(f"{name} ({head[0]})" if head else name)
+    lines = [
+        "## Zero-shot tasks (lm-evaluation-harness)",
+        "",
+        "| arm | stage | params | " + " | ".join(columns) + " | mean |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in columns) + " | ---: |",
+    ]
+    for arm, stage, evaluation in _models(results):
+        cells = []
+        for name in names:
+            metrics = (evaluation.get("tasks") or {}).get(name)
+            head = _headline(metrics)
+            if head is None:
+                cells.append("-")
+                continue
+            stderr = metrics.get(f"{head[0]}_stderr")
+            cells.append(f"{head[1]:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else ""))
+        mean = mean_accuracy(evaluation, names)
+        mean_cell = "-" if mean is None else f"{mean:.4f}"
+        lines.append(f"| {arm} | {stage} | {evaluation['params']:,} | " + " | ".join(cells) + f" | {mean_cell} |")
+    pins = (results.get("run") or {}).get("lm_eval") or results["baseline"].get("lm_eval")
+    if pins:
+        lines += ["", pins_text(pins)]
+    return lines
+
+
+def pins_text(pins: dict) -> str:
+    """One paragraph: lm-eval's version, few-shot count, limit, batch size, each task's version and items."""
+    shots = "each task's default few-shot count" if pins["num_fewshot"] is None else f"{pins['num_fewshot']}-shot"
+    limit = "all items" if pins["limit"] is None else f"limit {pins['limit']} items per task"
+    per_task = []
+    for name, info in pins["tasks"].items():
+        samples = info.get("samples") or {}
+        items = f", {samples['effective']:,} of {samples['original']:,} items" if samples else ""
+        per_task.append(f"`{name}` v{info.get('version')}{items}")
+    built = [f"`{name}` built from {b['source']} (sha256 {b['sha256'][:12]}, {b['items']:,} items)"
+             for name, b in (pins.get("builds") or {}).items()]  # fmt: skip
+    text = (
+        f"lm-eval {pins['lm_eval_version']}, {shots}, {limit}, batch size {pins['batch_size']}; "
+        f"standard errors as lm-eval computes them ({pins['bootstrap_iters']:,} bootstrap resamples where "
+        f"there is no closed form). Tasks: {'; '.join(per_task)}."
+    )
+    return text + (" " + "; ".join(built) + "." if built else "")
+
+
+def generation_lines(results: dict) -> list[str]:
+    """Markdown: per prompt, every model's greedy continuation side by side; [] without generations."""
+    models = [(a, s, e) for a, s, e in _models(results) if e.get("generations")]
+    if not models:
+        return []
+    prompts = [g["prompt"] for g in models[0][2]["generations"]]
+    lines = ["## Generations", "", "Greedy continuations (32 new tokens at most, stopped at EOS) of each prompt."]
+    for i, prompt in enumerate(prompts):
+        lines += ["", f"**{_cell(prompt)}** ...", "", "| arm | stage | continuation |", "| --- | --- | --- |"]
+        for arm, stage, evaluation in models:
+            gens = evaluation["generations"]
+            text = gens[i]["continuation"] if i < len(gens) else ""
+            lines.append(f"| {arm} | {stage} | {_cell(text) or '(nothing)'} |")
+    return lines
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.replace("|", "\\|").split("\n")).strip()
+
+
+def plot_accuracy_vs_params(results: dict, path: Path) -> Path | None:
+    """Mean task accuracy against parameters: one marker per arm, open after pruning, filled after
+    fine-tuning (as the perplexity plot); None when the run has no tasks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sinv_prune.pipeline.report import MARKERS, _dodge
+
+    names = task_names(results)
+    base_acc = mean_accuracy(results["baseline"], names) if names else None
+    if base_acc is None:
+        return None
+    from matplotlib.transforms import offset_copy
+
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
+    base = results["baseline"]
+    ax.scatter([base["params"]], [base_acc], marker="*", s=180, color="black", label="baseline", zorder=3)
+    arms = results["arms"]
+    offsets = _dodge([a["pruned"]["params"] for a in arms], base["params"])
+    for i, (arm, dx) in enumerate(zip(arms, offsets, strict=True)):
+        color, marker = f"C{i % 10}", MARKERS[i % len(MARKERS)]
+        shifted = offset_copy(ax.transData, fig=fig, x=dx, units="points")
+        for stage, filled in (("pruned", False), ("finetuned", True)):
+            evaluation = arm.get(stage)
+            acc = mean_accuracy(evaluation, names) if evaluation else None
+            if acc is None:
+                continue
+            style = {"color": color} if filled else {"facecolors": "white", "edgecolors": color, "linewidths": 1.5}
+            ax.scatter([evaluation["params"]], [acc], marker=marker, s=50, transform=shifted, zorder=3, **style)
+            ax.update_datalim([(evaluation["params"], acc)])
+        ax.scatter([], [], marker=marker, s=50, color=color, label=arm["name"])
+    ax.scatter([], [], marker="o", s=50, facecolors="white", edgecolors="gray", label="open: after pruning")
+    if any(a.get("finetuned") for a in arms):
+        ax.scatter([], [], marker="o", s=50, color="gray", label="filled: after fine-tuning")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel(f"mean accuracy over {len(names)} task{'s' if len(names) > 1 else ''} (higher is better)")
+    ax.set_title(", ".join(names), fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.margins(x=0.1, y=0.1)
+    ax.autoscale_view()
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,74 @@
+"""The evaluate stage's zero-shot tasks (lm-eval, ``evaluate.tasks``) and generations (``evaluate.prompts``).
+
+Per model, :func:`model_tasks` adds to its results row
+
+* ``tasks``: ``{task: {metric: value, metric_stderr: value, "samples": n}}`` from
+  :func:`sinv_prune.lmeval.evaluate_tasks`, on the model in memory;
+* ``lm_eval``: the pins (lm-eval's version, task versions, few-shot count, limit, batch size);
+* ``generations``: greedy continuations of the prompts (causal LMs only).
+
+The shipped ``wikitext_lastword`` task is built into ``RUN_DIR/tasks/``. The task set (and
+lm-eval's task index, 5 s when lm-eval's own tasks are named) is resolved once per run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+from sinv_prune.pipeline.recipe import Recipe, RecipeError
+
+logger = logging.getLogger("sinv_prune")
+
+
+def check_recipe_tasks(recipe: Recipe, masked_lm: bool) -> None:
+    """Preflight: lm-eval installed, every task known, nothing written; masked LMs take no tasks."""
+    from sinv_prune.lmeval import TasksError, resolve_tasks
+
+    spec = recipe.evaluate
+    if not spec.tasks:
+        return
+    if masked_lm:
+        raise RecipeError("evaluate.tasks: lm-eval tasks score causal LMs; this recipe's model is a masked LM")
+    try:
+        resolve_tasks(list(spec.tasks), recipe._base_dir, where="evaluate.tasks")
+    except TasksError as err:
+        raise RecipeError(str(err)) from None
+
+
+@functools.lru_cache(maxsize=4)
+def _task_set(entries: tuple[str, ...], base_dir: str, build_dir: str):
+    from sinv_prune.lmeval import resolve_tasks
+
+    tasks = resolve_tasks(list(entries), base_dir, build_dir=build_dir, where="evaluate.tasks")
+    return tasks, tasks.task_manager()
+
+
+def model_tasks(recipe: Recipe, root: Path, tokenizer, model, *, masked_lm: bool, label: str = "") -> dict[str, Any]:
+    """The recipe's lm-eval tasks and generations for one model (an empty dict when it asks for neither)."""
+    from sinv_prune.pipeline.generations import DEFAULT_PROMPTS, greedy_continuations
+
+    spec = recipe.evaluate
+    out: dict[str, Any] = {}
+    if spec.tasks and not masked_lm:
+        from sinv_prune.lmeval import evaluate_tasks, headline
+
+        tasks, manager = _task_set(tuple(spec.tasks), str(recipe._base_dir), str(Path(root) / "tasks"))
+        result = evaluate_tasks(
+            model,
+            tokenizer,
+            tasks,
+            num_fewshot=spec.num_fewshot,
+            limit=spec.limit,
+            batch_size=spec.task_batch_size,
+            task_manager=manager,
+        )
+        out["tasks"], out["lm_eval"] = result["tasks"], result["pins"]
+        shown = {name: headline(m) for name, m in result["tasks"].items()}
+        logger.info("tasks %s: %s", label, ", ".join(f"{n} {h[0]} {h[1]:.4f}" for n, h in shown.items() if h))
+    prompts = DEFAULT_PROMPTS if spec.prompts is None else tuple(spec.prompts)
+    if prompts and not masked_lm:
+        out["generations"] = greedy_continuations(model, tokenizer, prompts)
+    return out
