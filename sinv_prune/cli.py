@@ -415,11 +415,16 @@ def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens,
           overwrite):  # fmt: skip
     """Zero-shot tasks (lm-evaluation-harness) on the model at SOURCE: a checkpoint directory, Hub id or GGUF file."""
     from sinv_prune.lmeval.command import evaluate_source
-    from sinv_prune.lmeval.harness import TasksError, make_table
+    from sinv_prune.lmeval.harness import TasksError, make_table, require_lm_eval
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names and not perplexity:
         raise UsageError("give --tasks (comma-separated) and/or --perplexity")
+    try:
+        if names:
+            require_lm_eval()
+    except TasksError as err:
+        raise UsageError(f"--tasks: {err}") from None
     if batch_size != "auto" and not (batch_size.isdigit() and int(batch_size) > 0):
         raise UsageError(f"--batch-size: expected 'auto' or a positive integer, got {batch_size!r}")
     if limit is not None and (limit <= 0 or (limit >= 1 and not limit.is_integer())):

@@ -255,7 +255,7 @@ def test_dry_run_estimates_every_stage_and_a_total(tmp_path):
         "arm", "arm", "arm", "arm",  # the plan
         "start", "train", "score magnitude", "score taylor",
         *(f"prune {a}" for a in arms), *(f"finetune {a}" for a in arms),
-        "evaluate", "report", "total"]  # fmt: skip
+        "evaluate", "generations", "report", "total"]  # fmt: skip
     assert "warning" not in result.output
 
 

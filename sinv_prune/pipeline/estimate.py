@@ -350,6 +350,8 @@ def _split_texts(recipe: Recipe) -> dict[str, list[str]]:
 
 def estimate_stages(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> list[Row]:
     """Seconds per stage (and per arm where a stage works arm by arm) from the probe's measurements."""
+    from sinv_prune.pipeline.tasks import estimate_rows as estimate_task_rows
+
     rows = [_start_row(recipe, probe, tokens), _train_row(recipe, probe, tokens)]
     rows += _score_rows(recipe, probe, tokens)
     copy_save = probe.param_bytes / probe.copy_bps + probe.param_bytes / probe.write_bps
@@ -363,6 +365,7 @@ def estimate_stages(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> lis
             seconds, what = _trainer_s(recipe.finetune, probe, recipe.data.seq_len, tokens.get(split), first=first)
             rows.append(Row(f"finetune {arm.label}", load + seconds, what))
     rows.append(_evaluate_row(recipe, probe, tokens))
+    rows += estimate_task_rows(recipe, probe)
     rows.append(Row("report", REPORT_S, "report.md and plots (fixed allowance)"))
     return rows
 

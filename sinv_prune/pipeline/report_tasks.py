@@ -93,23 +93,24 @@ def pins_text(pins: dict) -> str:
 
 
 def generation_lines(results: dict) -> list[str]:
-    """Markdown: per prompt, every model's greedy continuation side by side; [] without generations."""
+    """Markdown: per prompt, every model's greedy continuation one under another; [] without generations."""
     models = [(a, s, e) for a, s, e in _models(results) if e.get("generations")]
     if not models:
         return []
     prompts = [g["prompt"] for g in models[0][2]["generations"]]
     lines = ["## Generations", "", "Greedy continuations (32 new tokens at most, stopped at EOS) of each prompt."]
     for i, prompt in enumerate(prompts):
-        lines += ["", f"**{_cell(prompt)}** ...", "", "| arm | stage | continuation |", "| --- | --- | --- |"]
+        lines += ["", f"**{_cell(prompt)}** ...", ""]
         for arm, stage, evaluation in models:
             gens = evaluation["generations"]
             text = gens[i]["continuation"] if i < len(gens) else ""
-            lines.append(f"| {arm} | {stage} | {_cell(text) or '(nothing)'} |")
+            where = arm if stage == "-" else f"{arm} ({stage})"
+            lines.append(f"- `{where}`: {_cell(text) or '(nothing)'}")
     return lines
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.replace("|", "\\|").split("\n")).strip()
+    return " ".join(text.split("\n")).strip()
 
 
 def plot_accuracy_vs_params(results: dict, path: Path) -> Path | None:
@@ -126,6 +127,7 @@ def plot_accuracy_vs_params(results: dict, path: Path) -> Path | None:
     base_acc = mean_accuracy(results["baseline"], names) if names else None
     if base_acc is None:
         return None
+    from matplotlib.ticker import FuncFormatter
     from matplotlib.transforms import offset_copy
 
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
@@ -148,6 +150,7 @@ def plot_accuracy_vs_params(results: dict, path: Path) -> Path | None:
     ax.scatter([], [], marker="o", s=50, facecolors="white", edgecolors="gray", label="open: after pruning")
     if any(a.get("finetuned") for a in arms):
         ax.scatter([], [], marker="o", s=50, color="gray", label="filled: after fine-tuning")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.set_xlabel("parameters")
     ax.set_ylabel(f"mean accuracy over {len(names)} task{'s' if len(names) > 1 else ''} (higher is better)")
     ax.set_title(", ".join(names), fontsize=8)

@@ -72,3 +72,41 @@ def model_tasks(recipe: Recipe, root: Path, tokenizer, model, *, masked_lm: bool
     if prompts and not masked_lm:
         out["generations"] = greedy_continuations(model, tokenizer, prompts)
     return out
+
+
+def estimate_rows(recipe: Recipe, probe) -> list:
+    """``--dry-run`` rows for the tasks and generations of every model (``[]`` when there are none).
+
+    ``wikitext_lastword`` is sized from its source (items, or ``limit``; tokens from the text's
+    characters); other tasks' sizes are unknown before lm-eval loads them and are not counted.
+    Each generated token is counted as a one-token forward.
+    """
+    import math
+
+    from sinv_prune.pipeline.estimate import CHARS_PER_TOKEN, Row
+    from sinv_prune.pipeline.generations import DEFAULT_PROMPTS, NEW_TOKENS
+
+    spec = recipe.evaluate
+    models = 1 + len(recipe.prune.arms) * (2 if recipe.finetune is not None else 1)
+    rows = []
+    if spec.tasks:
+        seconds, counted = 0.0, []
+        if "wikitext_lastword" in spec.tasks:
+            from sinv_prune.lmeval.lastword import TASK_NAME, lastword_items, source_file
+
+            items = lastword_items(source_file().read_text(encoding="utf-8").splitlines())
+            limit = spec.limit if spec.limit is not None else len(items)
+            n = min(len(items), math.ceil(limit * len(items)) if isinstance(limit, float) else limit)
+            tokens = sum(len(it["context"]) + len(it["target"]) + 1 for it in items) / len(items) / CHARS_PER_TOKEN
+            batch = spec.window_batch_size  # auto: lm-eval's own choice on an accelerator is larger (errs long)
+            seconds = math.ceil(n / batch) * probe.forward(int(batch * tokens))
+            counted.append(f"{TASK_NAME} {n} items of ~{tokens:.0f} tokens")
+        rest = len(spec.tasks) - len(counted)
+        what = f"{models} models x " + ", ".join(counted or ["tasks"])
+        what += f" (+{rest} tasks not counted)" if rest else ""
+        rows.append(Row("evaluate tasks (lm-eval)", models * seconds, what))
+    prompts = DEFAULT_PROMPTS if spec.prompts is None else spec.prompts
+    if prompts and recipe.model.architecture not in ("bert", "roberta"):
+        seconds = models * len(prompts) * NEW_TOKENS * probe.forward(1)
+        rows.append(Row("generations", seconds, f"{models} models x {len(prompts)} prompts x {NEW_TOKENS} tokens"))
+    return rows
