@@ -14,7 +14,7 @@ pytest.importorskip("lm_eval", reason='lm-eval is not installed (pip install "si
 import sinv_prune  # noqa: E402
 from sinv_prune.cli import main  # noqa: E402
 from sinv_prune.pipeline import data as data_mod  # noqa: E402
-from tests.test_lmeval import mc_task  # noqa: E402
+from tests.test_lmeval import fake_wikitext, mc_task  # noqa: E402
 
 SYNTHETIC = {"seed": 0, "num_train": 200, "num_valid": 30, "num_test": 30}
 RECIPE = {
@@ -40,11 +40,23 @@ def corpus_words() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def fake_wikitext_dir(tmp_path_factory):
+    """SINV_PRUNE_WIKITEXT at a small WikiText-like test.txt (40 last-word items) for this module's tests."""
+    tmp = tmp_path_factory.mktemp("wikitext")
+    fake_wikitext(tmp / "test.txt")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SINV_PRUNE_WIKITEXT", str(tmp))
+    yield tmp
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, fake_wikitext_dir):
     tmp = tmp_path_factory.mktemp("tasks")
     task_dir = mc_task(tmp / "mc", words=corpus_words(), n=24)
     recipe = tmp / "tasks.yaml"
-    recipe.write_text(yaml.safe_dump({**RECIPE, "evaluate": {**RECIPE["evaluate"], "tasks": ["mc"]}}))
+    tasks = ["mc", "wikitext_lastword"]
+    recipe.write_text(yaml.safe_dump({**RECIPE, "evaluate": {**RECIPE["evaluate"], "tasks": tasks}}))
     result = invoke(recipe, "--output", tmp / "out", "--quiet")
     assert result.exit_code == 0, result.output
     return tmp / "out", task_dir
@@ -84,11 +96,19 @@ def test_every_model_has_tasks_generations_and_pins(run):
         assert 0 <= metrics["acc"] <= 1 and metrics["acc_stderr"] > 0 and metrics["samples"] == 24
         assert [g["prompt"] for g in evaluation["generations"]] == ["lo", "li"]
         assert all(0 < g["new_tokens"] <= 32 for g in evaluation["generations"])
+    for evaluation in (results["baseline"], arm["pruned"], arm["finetuned"]):
+        lastword = evaluation["tasks"]["wikitext_lastword"]
+        assert lastword["samples"] == 40 and 0 <= lastword["acc"] <= 1 and lastword["perplexity"] > 1
     pins = results["run"]["lm_eval"]
     assert pins["lm_eval_version"] and pins["num_fewshot"] == 0 and pins["limit"] is None
-    assert pins["tasks"]["tiny_mc"]["version"] == 1.0
+    assert pins["tasks"]["tiny_mc"]["version"] == 1.0 and pins["builds"]["wikitext_lastword"]["items"] == 40
+    built = list((out / "tasks").glob("wikitext_lastword-*/build.json"))
+    assert len(built) == 1 and pins["task_dirs"][1] == str(built[0].parent)  # built into the run directory
     report = (out / "report.md").read_text()
-    assert "| arm | stage | params | tiny_mc (acc) | mean |" in report
+    assert "| arm | stage | params | tiny_mc (acc) | wikitext_lastword (acc) | mean |" in report
+    base = results["baseline"]["tasks"]
+    mean = (base["tiny_mc"]["acc"] + base["wikitext_lastword"]["acc"]) / 2
+    assert f"| baseline | - | {results['baseline']['params']:,} | " in report and f"| {mean:.4f} |" in report
     assert f"lm-eval {pins['lm_eval_version']}, 0-shot" in report
     assert "## Generations" in report and f"- `{arm['name']} (fine-tuned)`: " in report
     assert (out / "plots" / "accuracy_vs_params.png").is_file()
@@ -128,3 +148,12 @@ def test_tasks_without_lm_eval_fail_in_preflight_with_the_pip_command(tmp_path, 
     assert result.output == 'error: evaluate.tasks: lm-eval is not installed; run: pip install "sinv_prune[eval]"\n'
     cli = invoke("eval", tmp_path, "--tasks", "wikitext_lastword")
     assert cli.exit_code == 2 and "pip install" in cli.output
+
+
+def test_dry_run_counts_the_last_word_task_and_the_generations(tmp_path, fake_wikitext_dir):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPE, "evaluate": {"tasks": ["wikitext_lastword"], "limit": 10}}))
+    result = invoke(recipe, "--output", tmp_path / "out", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "evaluate tasks (lm-eval)" in result.output and "3 models x wikitext_lastword 10 items" in result.output
+    assert "3 models x 3 prompts x 32 tokens" in result.output and not (tmp_path / "out").exists()

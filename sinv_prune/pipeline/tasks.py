@@ -13,7 +13,6 @@ lm-eval's task index, 5 s when lm-eval's own tasks are named) is resolved once p
 
 from __future__ import annotations
 
-import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -38,12 +37,20 @@ def check_recipe_tasks(recipe: Recipe, masked_lm: bool) -> None:
         raise RecipeError(str(err)) from None
 
 
-@functools.lru_cache(maxsize=4)
+_TASK_SETS: dict[tuple, tuple] = {}
+
+
 def _task_set(entries: tuple[str, ...], base_dir: str, build_dir: str):
+    """The resolved tasks and lm-eval's task manager, kept while their directories exist (one run)."""
     from sinv_prune.lmeval import resolve_tasks
 
-    tasks = resolve_tasks(list(entries), base_dir, build_dir=build_dir, where="evaluate.tasks")
-    return tasks, tasks.task_manager()
+    key = (entries, base_dir, build_dir)
+    cached = _TASK_SETS.get(key)
+    if cached is None or not all(Path(p).is_dir() for p in cached[0].include):
+        tasks = resolve_tasks(list(entries), base_dir, build_dir=build_dir, where="evaluate.tasks")
+        _TASK_SETS.clear()
+        _TASK_SETS[key] = cached = (tasks, tasks.task_manager())
+    return cached
 
 
 def model_tasks(recipe: Recipe, root: Path, tokenizer, model, *, masked_lm: bool, label: str = "") -> dict[str, Any]:
