@@ -182,3 +182,22 @@ def test_a_gguf_loaded_model_evaluates_through_the_cli(tmp_path):
     assert "tiny_mc" in result.output and "acc" in result.output
     saved = json.loads(out.read_text())
     assert saved["tasks"]["tiny_mc"]["samples"] == 8 and 0 <= saved["tasks"]["tiny_mc"]["acc"] <= 1
+
+
+def test_a_group_is_one_column_with_its_aggregate(tmp_path):
+    from sinv_prune.lmeval import TaskSet
+    from sinv_prune.pipeline.report_tasks import task_lines
+
+    task_dir = mc_task(tmp_path / "tasks", name="mc_a")
+    mc_task(tmp_path / "tasks", name="mc_b", seed=1, n=10)
+    group = {"group": "mc_group", "task": ["mc_a", "mc_b"], "metadata": {"version": 1.0},
+             "aggregate_metric_list": [{"metric": "acc", "aggregation": "mean", "weight_by_size": True}]}  # fmt: skip
+    (task_dir / "mc_group.yaml").write_text(yaml.safe_dump(group))
+    tokenizer = word_tokenizer([" ".join(WORDS)])
+    out = evaluate_tasks(tiny_model("gpt2"), tokenizer, TaskSet(["mc_group"], [str(task_dir)]), batch_size=4)
+    assert set(out["tasks"]) == {"mc_group", "mc_a", "mc_b"} and out["pins"]["columns"] == ["mc_group"]
+    a, b = out["tasks"]["mc_a"]["acc"], out["tasks"]["mc_b"]["acc"]
+    assert out["tasks"]["mc_group"]["acc"] == pytest.approx((30 * a + 10 * b) / 40)
+    evaluation = {"params": 1, "tasks": out["tasks"], "lm_eval": out["pins"]}
+    lines = task_lines({"baseline": evaluation, "arms": []})
+    assert lines[2] == "| arm | stage | params | mc_group (acc) | mean |"

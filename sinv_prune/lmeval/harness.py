@@ -219,8 +219,11 @@ def pins(raw: dict, tasks: TaskSet, num_fewshot, limit, batch_size, bootstrap_it
             "samples": raw.get("n-samples", {}).get(name),
             "higher_is_better": raw.get("higher_is_better", {}).get(name),
         }
+    children = {c for subtasks in (raw.get("group_subtasks") or {}).values() for c in subtasks}
     return {
         "lm_eval_version": raw.get("lm_eval_version") or getattr(lm_eval, "__version__", None),
+        # the report's columns: every result that is not inside a group (a group shows its aggregate)
+        "columns": [name for name in raw["results"] if name not in children],
         "num_fewshot": num_fewshot,
         "limit": limit,
         "batch_size": batch_size,

@@ -21,8 +21,10 @@ def _models(results: dict) -> list[tuple[str, str, dict]]:
 
 
 def task_names(results: dict) -> list[str]:
-    """The tasks every model was evaluated on, in the baseline's order."""
-    return list((results["baseline"].get("tasks") or {}).keys())
+    """The report's task columns: the baseline's tasks, a group's aggregate instead of its subtasks."""
+    base = results["baseline"]
+    pins = base.get("lm_eval") or {}
+    return list(pins.get("columns") or (base.get("tasks") or {}).keys())
 
 
 def _headline(metrics: dict | None):
