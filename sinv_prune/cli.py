@@ -73,6 +73,7 @@ def main() -> None:
     sinv-prune RECIPE.yaml --output DIR    run a recipe (train, score, prune, fine-tune, evaluate, report)
     sinv-prune quickstart                  the built-in offline quickstart recipe
     sinv-prune prune MODEL OUT --heads ..  remove given heads and save
+    sinv-prune eval MODEL --tasks ..       zero-shot tasks through lm-evaluation-harness
     """
 
 
@@ -402,7 +403,7 @@ def push(source: Path, repo_id: str, private: bool, revision, overwrite: bool, c
     metavar="T1,T2,..",
     help="lm-eval task names, wikitext_lastword (offline, shipped) or directories of task YAML files.",
 )
-@click.option("--limit", type=float, default=None, help="Items per task (below 1: a fraction); default all.")
+@click.option("--limit", type=float, default=None, metavar="N", help="Items per task (below 1: a fraction).")
 @click.option("--num-fewshot", type=click.IntRange(0), default=0, show_default=True, help="Few-shot examples.")
 @click.option("--batch-size", default="auto", show_default=True, metavar="auto|N", help="lm-eval's batch size.")
 @click.option("--perplexity", is_flag=True, help="Also the WikiText-2 test perplexity (SINV_PRUNE_WIKITEXT).")

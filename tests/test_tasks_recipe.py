@@ -157,3 +157,20 @@ def test_dry_run_counts_the_last_word_task_and_the_generations(tmp_path, fake_wi
     assert result.exit_code == 0, result.output
     assert "evaluate tasks (lm-eval)" in result.output and "3 models x wikitext_lastword 10 items" in result.output
     assert "3 models x 3 prompts x 32 tokens" in result.output and not (tmp_path / "out").exists()
+
+
+def test_eval_perplexity_measures_the_wikitext_test_text_as_a_recipe_does(run, fake_wikitext_dir, tmp_path):
+    from sinv_prune.pipeline.evaluation import perplexity
+
+    out, _ = run
+    saved = tmp_path / "p.json"
+    cli = invoke("eval", out / "base", "--perplexity", "--max-tokens", 300, "--json", saved)
+    assert cli.exit_code == 0, cli.output
+    ppl = json.loads(saved.read_text())["perplexity"]
+    assert "tasks" not in json.loads(saved.read_text()) and f"perplexity: {ppl['perplexity']:.3f}" in cli.output
+    assert (ppl["seq_len"], ppl["stride"], ppl["tokens"]) == (64, 32, 299)  # n_positions 64: windows of 64
+    model = sinv_prune.from_pretrained(out / "base")
+    tokenizer = data_mod.load_model_tokenizer(out / "base")
+    ids = data_mod.token_ids((fake_wikitext_dir / "test.txt").read_text().splitlines(), tokenizer)
+    direct = perplexity(model, ids, seq_len=64, stride=32, max_tokens=300)
+    assert ppl["perplexity"] == pytest.approx(direct["perplexity"], rel=1e-6)
