@@ -174,3 +174,15 @@ def test_eval_perplexity_measures_the_wikitext_test_text_as_a_recipe_does(run, f
     ids = data_mod.token_ids((fake_wikitext_dir / "test.txt").read_text().splitlines(), tokenizer)
     direct = perplexity(model, ids, seq_len=64, stride=32, max_tokens=300)
     assert ppl["perplexity"] == pytest.approx(direct["perplexity"], rel=1e-6)
+
+
+def test_a_masked_lm_recipe_with_tasks_fails_in_preflight(tmp_path):
+    bert = {"architecture": "bert", "config": {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32,
+                                               "intermediate_size": 48}}  # fmt: skip
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPE, "model": bert, "finetune": None, "evaluate": {"tasks": ["mc"]}}))
+    result = invoke(recipe, "--output", tmp_path / "out")
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    assert (
+        result.output == "error: evaluate.tasks: lm-eval tasks score causal LMs; this recipe's model is a masked LM\n"
+    )
