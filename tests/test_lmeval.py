@@ -201,3 +201,20 @@ def test_a_group_is_one_column_with_its_aggregate(tmp_path):
     evaluation = {"params": 1, "tasks": out["tasks"], "lm_eval": out["pins"]}
     lines = task_lines({"baseline": evaluation, "arms": []})
     assert lines[2] == "| arm | stage | params | mc_group (acc) | mean |"
+
+
+def test_missing_wikitext_and_bad_entries_are_one_line_errors(tmp_path, monkeypatch):
+    from sinv_prune.lmeval import TasksError
+
+    monkeypatch.setenv("SINV_PRUNE_WIKITEXT", str(tmp_path / "none"))
+    with pytest.raises(TasksError, match=r"^tasks\[0\]: wikitext_lastword: WikiText-2 test text not found at .*"
+                                         r"set SINV_PRUNE_WIKITEXT"):  # fmt: skip
+        resolve_tasks(["wikitext_lastword"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TasksError, match=r"^tasks\[0\]: no lm-eval task \(a YAML file with a 'task:' key\) in "):
+        resolve_tasks([str(tmp_path / "empty")])
+    task_dir = mc_task(tmp_path / "mc")
+    with pytest.raises(TasksError, match="is a file; give the directory"):
+        resolve_tasks([str(task_dir / "tiny_mc.yaml")])
+    with pytest.raises(TasksError, match="'tiny_mc' is asked for twice"):
+        resolve_tasks([str(task_dir), str(task_dir)])
