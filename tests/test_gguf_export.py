@@ -1,0 +1,202 @@
+"""GGUF export: architecture choice, tensors and metadata as written, refusals, llama.cpp round trips."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+
+import sinv_prune
+from sinv_prune.deploy.gguf_tensors import permute_rope
+
+# Uneven LLaMA: a whole KV group gone (layer 0), fewer heads per group (1), an empty attention
+# layer (2), a removed block (3), a narrower MLP (4).
+UNEVEN = {"heads": {0: [0, 1, 2], 1: [1, 4], 2: [0, 1, 2, 3, 4, 5]}, "mlp": {4: list(range(0, 64, 3))}, "layers": [3]}
+
+
+def pruned(arch: str, plan: dict | None = None, **overrides):
+    model = tiny_model(arch, **overrides)
+    if plan:
+        sinv_prune.prune(model, plan, allow_empty_layers=True)
+    return model
+
+
+def export(model, tmp_path, name="m.gguf", **kwargs):
+    kwargs.setdefault("type", "f32")
+    kwargs.setdefault("verify", False)
+    return sinv_prune.export_gguf(model, None, tmp_path / name, **kwargs)
+
+
+def fields(path) -> dict:
+    reader = gguf.GGUFReader(path)
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+def tensors(path) -> dict[str, np.ndarray]:
+    reader = gguf.GGUFReader(path)
+    return {t.name: np.array(t.data) for t in reader.tensors}
+
+
+# -- writer (no llama.cpp needed) ----------------------------------------------------------------
+
+
+def test_uniform_llama_is_stock_llama_with_permuted_qk(tmp_path):
+    model = pruned("llama", {"heads": {i: [0, 3] for i in range(3)}})  # 4 heads, 2 KV heads everywhere
+    out = export(model, tmp_path)
+    meta, data = fields(out.path), tensors(out.path)
+    assert out.arch == "llama" and meta["general.architecture"] == "llama"
+    assert meta["llama.attention.head_count"] == 4 and meta["llama.attention.head_count_kv"] == 2
+    assert meta["llama.attention.key_length"] == 8 and meta["llama.feed_forward_length"] == 64
+    attn = model.model.layers[1].self_attn
+    q = attn.q_proj.weight.detach().numpy()
+    np.testing.assert_array_equal(data["blk.1.attn_q.weight"], permute_rope(q, 4))
+    np.testing.assert_array_equal(data["blk.1.attn_k.weight"], permute_rope(attn.k_proj.weight.detach().numpy(), 2))
+    np.testing.assert_array_equal(data["blk.1.attn_v.weight"], attn.v_proj.weight.detach().numpy())
+    assert "output.weight" not in data or not model.config.tie_word_embeddings
+    assert '"pruned_heads"' in meta["sinv_prune.record"] and meta["sinv_prune.parameter_count"] == out.parameters
+
+
+def test_uneven_llama_is_deci_with_per_layer_arrays(tmp_path):
+    model = pruned("llama", UNEVEN, num_hidden_layers=5)
+    out = export(model, tmp_path, type="q8_0")
+    meta, data = fields(out.path), tensors(out.path)
+    assert out.arch == "deci" and out.layers == 4
+    assert meta["deci.attention.head_count"] == [3, 4, 0, 6]
+    assert meta["deci.attention.head_count_kv"] == [1, 2, 0, 2]
+    assert meta["deci.feed_forward_length"] == [64, 64, 64, 64 - 22]
+    assert not any(name.startswith("blk.2.attn_q") for name in data)  # no attention tensors where no heads
+    assert "blk.2.attn_norm.weight" in data  # llama.cpp skips the norm there, but the file may keep it
+    assert meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
+
+
+def test_qwen_families_keep_their_own_architecture_when_uniform(tmp_path):
+    assert export(pruned("qwen2"), tmp_path, "a.gguf").arch == "qwen2"
+    # Qwen2 with fewer heads: qwen2 in llama.cpp needs heads x head_dim = hidden, llama takes it (biases too).
+    out = export(pruned("qwen2", {"heads": {i: [0, 1] for i in range(3)}}), tmp_path, "b.gguf")
+    assert out.arch == "llama" and "qwen2" in out.notes[0]
+    assert "blk.0.attn_q.bias" in tensors(out.path)
+    assert export(pruned("qwen2", {"heads": {0: [0, 1]}}), tmp_path, "c.gguf").arch == "deci"
+    assert export(tiny_qwen3(), tmp_path, "d.gguf").arch == "qwen3"
+
+
+def tiny_qwen3(plan=None):
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=8, intermediate_size=64, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    if plan:
+        sinv_prune.prune(model, plan, allow_empty_layers=True)
+    return model
+
+
+def test_gpt2_uniform_cuts_export_as_gpt2(tmp_path):
+    model = pruned("gpt2", {"mlp": {i: list(range(0, 128, 4)) for i in (0, 2)}, "layers": [1]})
+    out = export(model, tmp_path)
+    meta = fields(out.path)
+    assert out.arch == "gpt2" and meta["gpt2.block_count"] == 2 and meta["gpt2.feed_forward_length"] == 96
+
+
+REFUSALS = [
+    ("bert", lambda: tiny_model("bert"), "embedding model"),
+    ("gpt2 uneven heads", lambda: pruned("gpt2", {"heads": {0: [1]}}), "one set of sizes"),
+    ("gpt2 fewer heads", lambda: pruned("gpt2", {"heads": {i: [1] for i in range(3)}}), "n_embd"),
+    ("qwen3 uneven", lambda: tiny_qwen3({"heads": {0: [0, 1, 2]}}), "q/k norm"),
+    ("empty layer 0", lambda: pruned("llama", {"heads": {0: list(range(6))}}), "layer 0"),
+    (
+        "empty layer with output bias",
+        lambda: pruned("llama", {"heads": {1: list(range(6))}}, attention_bias=True),
+        "output bias",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[c[0] for c in REFUSALS])
+def test_refusals_are_one_line_and_leave_nothing(tmp_path, case):
+    _, build, words = case
+    with pytest.raises(ValueError, match=words) as err:
+        export(build(), tmp_path)
+    assert "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_file_needs_overwrite(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"keep")
+    with pytest.raises(ValueError, match="overwrite"):
+        export(pruned("llama"), tmp_path)
+    assert (tmp_path / "m.gguf").read_bytes() == b"keep"
+    assert export(pruned("llama"), tmp_path, overwrite=True).size_bytes > 4
+
+
+def test_bad_type_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="type must be one of"):
+        export(pruned("llama"), tmp_path, type="q3_k")
+
+
+# -- llama.cpp round trips ------------------------------------------------------------------------
+
+ROUND_TRIPS = {
+    "llama": lambda: pruned("llama"),
+    "llama uniform pruned, biases": lambda: pruned("llama", {"heads": {i: [0, 3] for i in range(3)}},
+                                                   attention_bias=True, mlp_bias=True),
+    "llama uneven (deci)": lambda: pruned("llama", UNEVEN, num_hidden_layers=5),
+    "mistral": lambda: pruned("mistral"),
+    "qwen2": lambda: pruned("qwen2"),
+    "qwen2 fewer heads (llama)": lambda: pruned("qwen2", {"heads": {i: [0, 1] for i in range(3)}}),
+    "qwen2 uneven (deci)": lambda: pruned("qwen2", {"heads": {0: [0, 1], 2: [0, 2, 4]}, "mlp": {1: [0, 1, 2]}}),
+    "qwen3 pruned uniform": lambda: tiny_qwen3({"heads": {i: [0, 3] for i in range(3)}}),
+    "gpt2 mlp and depth cut": lambda: pruned("gpt2", {"mlp": {i: list(range(0, 128, 4)) for i in (0, 2)},
+                                                      "layers": [1]}),
+}  # fmt: skip
+
+
+def greedy_hf(model, ids: list[int], steps: int) -> list[int]:
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-steps:]
+
+
+def greedy_llama(llm, ids: list[int], steps: int) -> list[int]:
+    llm.reset()
+    llm.eval(ids)
+    out = []
+    for _ in range(steps):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([out[-1]])
+    return out
+
+
+@pytest.mark.parametrize("case", list(ROUND_TRIPS))
+def test_llama_cpp_matches_transformers(tmp_path, case):
+    pytest.importorskip("llama_cpp")
+    from sinv_prune.deploy.gguf_verify import load_llama
+
+    model = ROUND_TRIPS[case]()
+    out = export(model, tmp_path, verify=True)
+    assert out.verify.passed, out.verify
+    assert out.verify.max_rel_diff < 1e-3 and out.verify.top1_agreement == 1.0
+    prompt = [5, 17, 33, 2, 60, 9, 41, 12]
+    llm = load_llama(out.path, n_ctx=64)
+    try:
+        assert greedy_llama(llm, prompt, 20) == greedy_hf(model, prompt, 20)
+    finally:
+        llm.close()
+
+
+def test_quantized_export_reports_top1(tmp_path):
+    pytest.importorskip("llama_cpp")
+    model = pruned("llama", UNEVEN, num_hidden_layers=5)
+    out = export(model, tmp_path, type="q8_0", verify=True)
+    assert not out.verify.exact_type and out.verify.passed
+    assert 0.0 <= out.verify.top1_agreement <= 1.0 and out.verify.tokens == 24
