@@ -200,3 +200,25 @@ def test_quantized_export_reports_top1(tmp_path):
     out = export(model, tmp_path, type="q8_0", verify=True)
     assert not out.verify.exact_type and out.verify.passed
     assert 0.0 <= out.verify.top1_agreement <= 1.0 and out.verify.tokens == 24
+
+
+# -- command line -----------------------------------------------------------------------------------
+
+
+def test_cli_export_writes_deci_and_refuses_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from sinv_prune.cli import main
+
+    pruned("llama", UNEVEN, num_hidden_layers=5).save_pretrained(tmp_path / "uneven")
+    tiny_model("bert").save_pretrained(tmp_path / "bert")
+    runner = CliRunner()
+    out = tmp_path / "out" / "m.gguf"
+    result = runner.invoke(main, ["export", str(tmp_path / "uneven"), str(out), "--type", "q8_0", "--no-verify"])
+    assert result.exit_code == 0, result.output
+    assert "llama.cpp 'deci'" in result.output and fields(out)["deci.attention.head_count"] == [3, 4, 0, 6]
+    again = runner.invoke(main, ["export", str(tmp_path / "uneven"), str(out), "--no-verify"])
+    assert again.exit_code == 2 and "--overwrite" in again.output
+    refused = runner.invoke(main, ["export", str(tmp_path / "bert"), str(tmp_path / "b.gguf"), "--no-verify"])
+    assert refused.exit_code == 2 and refused.output.splitlines()[-1].startswith("error: cannot export bert to GGUF")
+    assert not (tmp_path / "b.gguf").exists() and not list(tmp_path.glob(".b.gguf*"))
