@@ -222,3 +222,58 @@ def test_cli_export_writes_deci_and_refuses_in_one_line(tmp_path):
     refused = runner.invoke(main, ["export", str(tmp_path / "bert"), str(tmp_path / "b.gguf"), "--no-verify"])
     assert refused.exit_code == 2 and refused.output.splitlines()[-1].startswith("error: cannot export bert to GGUF")
     assert not (tmp_path / "b.gguf").exists() and not list(tmp_path.glob(".b.gguf*"))
+
+
+# -- recipe stage -----------------------------------------------------------------------------------
+
+EXPORT_RECIPE = {
+    "name": "gguf",
+    "model": {
+        "architecture": "mistral",
+        "config": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
+                   "intermediate_size": 48},
+    },
+    "data": {"synthetic": {"seed": 0, "num_train": 60, "num_valid": 10, "num_test": 10},
+             "tokenizer": {"kind": "word"}, "seq_len": 32},
+    "train": {"max_steps": 2, "batch_size": 8},
+    "score": {"batches": 1, "batch_size": 4},
+    "prune": {"arms": [{"criterion": "magnitude", "amount": 4, "mode": "uniform"},
+                       {"criterion": "magnitude", "amount": 2}]},
+    "finetune": {"max_steps": 1, "batch_size": 8},
+    "evaluate": {"speed": False},
+    "export": {"gguf": {"type": "f32", "vocab": False}},
+}  # fmt: skip
+
+
+def test_recipe_exports_every_arm_and_the_baseline(tmp_path):
+    from sinv_prune.deploy.gguf_verify import llama_cpp_available
+    from sinv_prune.pipeline import stages
+    from sinv_prune.pipeline.recipe import validate_recipe
+
+    results = stages.run_recipe(validate_recipe(EXPORT_RECIPE), tmp_path / "out", quiet=True)
+    out = tmp_path / "out"
+    gguf_rows = results["gguf"]
+    assert list(gguf_rows) == ["baseline", "magnitude-4-uniform", "magnitude-2-global"]
+    assert [gguf_rows[k]["arch"] for k in gguf_rows] == ["llama", "llama", "deci"]
+    for row in gguf_rows.values():
+        assert (out / row["path"]).stat().st_size == row["size_bytes"]
+        assert row["verify"] is None or row["verify"]["passed"]
+        assert (row["verify"] is not None) == llama_cpp_available()
+    assert (out / "arms" / "magnitude-2-global" / "model.gguf").exists() and (out / "base" / "model.gguf").exists()
+    report = (out / "report.md").read_text()
+    assert (
+        "## GGUF files (llama.cpp)" in report
+        and "| magnitude-2-global | `arms/magnitude-2-global/model.gguf` | deci" in report
+    )
+
+
+def test_recipe_export_is_checked_before_the_run(tmp_path):
+    from sinv_prune.pipeline.preflight import preflight
+    from sinv_prune.pipeline.recipe import RecipeError, validate_recipe
+
+    with pytest.raises(RecipeError, match="export.gguf: a tokenizer trained by the run"):
+        preflight(validate_recipe({**EXPORT_RECIPE, "export": {"gguf": {"type": "q8_0"}}}))
+    bert = {**EXPORT_RECIPE, "model": {"architecture": "bert", "config": {"num_hidden_layers": 2,
+            "num_attention_heads": 4, "hidden_size": 32, "intermediate_size": 48}}, "finetune": None}  # fmt: skip
+    with pytest.raises(RecipeError, match="export.gguf: cannot export bert"):
+        preflight(validate_recipe(bert))

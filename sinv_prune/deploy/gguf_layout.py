@@ -93,6 +93,19 @@ def plan_layout(model: nn.Module, biases: dict[int, set[str]]) -> GGUFLayout:
     raise ValueError(f"cannot export this {family} model to GGUF exactly: {reasons[-1]}")
 
 
+def check_exportable(model: nn.Module, verify: bool | None = None) -> None:
+    """What can be refused before any pruning (a recipe's preflight): the family and its settings."""
+    family = model.config.model_type
+    if family not in NATIVE:
+        raise ValueError(_unsupported(family))
+    _check_config(model.config, family)
+    if verify:
+        from sinv_prune.deploy.gguf_verify import PIP_HINT, llama_cpp_available
+
+        if not llama_cpp_available():
+            raise ValueError(f"verify: true needs llama-cpp-python: {PIP_HINT}")
+
+
 def _unsupported(family: str) -> str:
     if family in ("bert", "roberta"):
         return (
