@@ -277,3 +277,39 @@ def test_recipe_export_is_checked_before_the_run(tmp_path):
             "num_attention_heads": 4, "hidden_size": 32, "intermediate_size": 48}}, "finetune": None}  # fmt: skip
     with pytest.raises(RecipeError, match="export.gguf: cannot export bert"):
         preflight(validate_recipe(bert))
+
+
+# -- real weights -----------------------------------------------------------------------------------
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_smollm2_uneven_compensated_runs_in_llama_cpp(tmp_path):
+    """SmolLM2 cut unevenly (heads, a whole KV group, MLP channels, a block) with lsq compensation and
+    attention biases: f32 matches transformers, Q8_0 keeps >= 98% top-1 over 512 WikiText-2 test tokens."""
+    pytest.importorskip("llama_cpp")
+    from conftest import smollm2_model, wikitext
+
+    from sinv_prune.deploy.gguf_verify import verify_gguf
+    from sinv_prune.pipeline.data import load_model_tokenizer
+
+    model = smollm2_model()
+    tokenizer = load_model_tokenizer(model.sinv_gguf_source)
+    calib = tokenizer(wikitext("valid")[:8000], return_tensors="pt").input_ids[0, :512].reshape(2, 256)
+    test_ids = tokenizer(wikitext("test")[:6000])["input_ids"][:512]
+    plan = {
+        "heads": {0: [0, 3, 6], 4: [0, 1, 2], 9: [2, 5, 8], 17: [1, 4, 7, 2, 5, 8]},  # 4: a whole KV group
+        "mlp": {3: list(range(0, 1536, 3)), 20: list(range(512))},
+        "layers": [25],
+    }
+    sinv_prune.prune(model, plan, calibration=[{"input_ids": r[None]} for r in calib], compensate="lsq",
+                     add_bias=True)  # fmt: skip
+    exact = sinv_prune.export_gguf(model, tokenizer, tmp_path / "f32.gguf", type="f32", verify=True)
+    assert exact.arch == "deci" and exact.tokenizer.startswith("copied from SmolLM2")
+    assert exact.verify.passed, exact.verify
+    meta = fields(exact.path)
+    assert meta["deci.attention.head_count"][:5] == [6, 9, 9, 9, 6] and meta["deci.attention.head_count_kv"][4] == 2
+    quant = sinv_prune.export_gguf(model, tokenizer, tmp_path / "q8.gguf", type="q8_0", verify=False)
+    check = verify_gguf(quant.path, model, test_ids, exact_type=False)
+    assert check.tokens == 512 and check.top1_agreement >= 0.98, check
+    assert quant.size_bytes < 0.3 * exact.size_bytes
