@@ -120,6 +120,9 @@ def export_gguf(
     layout = plan_layout(model, nonzero_biases(tensors or []))
     if layout.arch != "gpt2":  # gpt2's loader needs every bias; the others take them where present
         tensors = drop_zero_biases(tensors)
+    if layout.arch == "deci":  # deci loads no attention norm where a layer has no heads (its output is unused)
+        empty = {i for i, shape in enumerate(layout.layers) if shape.heads == 0}
+        tensors = [t for t in tensors if not (t.layer in empty and t.kind == "attn_norm")]
     if layout.permute_qk:
         permute_qk(tensors, [s.heads for s in layout.layers], [s.kv_heads for s in layout.layers])
     n_vocab = model.get_input_embeddings().weight.shape[0]
