@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from _bench_common import begin_wikitext_run, find_gguf, finish, load_smollm2, quiet, table, wikitext_file, write_json
+from tqdm.auto import tqdm
 
 import sinv_prune
 from sinv_prune.deploy.gguf_verify import llama_logits, load_llama
@@ -34,15 +35,16 @@ from sinv_prune.pipeline.evaluation import perplexity_windows
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--types", default="f16,q8_0", help="GGUF types, comma-separated")
-    p.add_argument("--heads", type=float, default=0.33, help="fraction of query heads removed")
+    p.add_argument("--heads", type=int, default=90, help="query heads removed (90 of 270: one per KV group per layer)")
     p.add_argument("--mlp", type=float, default=0.25, help="fraction of MLP channels removed")
-    p.add_argument("--compensate", choices=["none", "lsq"], default="none")
+    p.add_argument("--compensate", choices=["none", "lsq"], default="lsq")
+    p.add_argument("--calibration", type=int, default=4, help="calibration sequences of 512 valid tokens (lsq)")
     p.add_argument("--eval-tokens", type=int, default=4096, help="WikiText-2 test tokens scored")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="speed runs per file (the median is reported)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp and torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=None, help="keep the GGUF files here (default: a temp dir)")
     p.add_argument("--json", type=Path, default=None)
@@ -54,7 +56,11 @@ def cut(model, mode: str, args, calibration):
     from sinv_prune import Part, Pruner
 
     model = copy.deepcopy(model)
-    parts = [Part("heads", "magnitude", args.heads, mode=mode), Part("mlp", "magnitude", args.mlp, mode=mode)]
+    # multiple=32: every MLP width stays a multiple of the Q8_0/Q4_0 block (else those rows fall back to f16)
+    parts = [
+        Part("heads", "magnitude", args.heads, mode=mode),
+        Part("mlp", "magnitude", args.mlp, mode=mode, multiple=32),
+    ]
     compensate = None if args.compensate == "none" else args.compensate
     Pruner(parts, compensate=compensate).prune(model, calibration=calibration if compensate else None)
     return model
@@ -88,24 +94,21 @@ def _nll(logits: np.ndarray, ids: list[int], begin: int, end: int, first: int) -
 
 
 def speed(path: Path, ids: list[int], args) -> tuple[float, float]:
-    """Median prompt-processing and generation tokens/s over ``args.repeats`` runs (llama.cpp's timings)."""
+    """Prompt-processing and generation tokens/s of one run (llama.cpp's own timings)."""
     import llama_cpp
 
     llm = load_llama(path, n_ctx=args.prompt_tokens + args.gen_tokens + 8, logits_all=False, n_threads=args.threads)
-    pp, tg = [], []
     try:
-        for _ in range(args.repeats):
-            llm.reset()
-            llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
-            llm.eval(ids[: args.prompt_tokens])
-            for t in ids[args.prompt_tokens : args.prompt_tokens + args.gen_tokens]:
-                llm.eval([t])
-            perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
-            pp.append(1e3 * perf.n_p_eval / perf.t_p_eval_ms)
-            tg.append(1e3 * perf.n_eval / perf.t_eval_ms)
+        llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+        llm.eval(ids[: args.prompt_tokens])
+        llama_cpp.llama_synchronize(llm._ctx.ctx)  # llama.cpp books a decode's time when it synchronizes
+        for t in ids[args.prompt_tokens : args.prompt_tokens + args.gen_tokens]:
+            llm.eval([t])
+            llama_cpp.llama_synchronize(llm._ctx.ctx)
+        perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
     finally:
         llm.close()
-    return float(np.median(pp)), float(np.median(tg))
+    return 1e3 * perf.n_p_eval / perf.t_p_eval_ms, 1e3 * perf.n_eval / perf.t_eval_ms
 
 
 def main(argv=None) -> dict | None:
@@ -127,7 +130,7 @@ def main(argv=None) -> dict | None:
     ids = test[: args.eval_tokens]
     windows = perplexity_windows(len(ids), args.seq_len, args.seq_len)
     valid = tokenizer(wikitext_file("valid").read_text(encoding="utf-8")[:40000], return_tensors="pt").input_ids[0]
-    calibration = [{"input_ids": valid[i * 512 : (i + 1) * 512][None]} for i in range(8)]
+    calibration = [{"input_ids": valid[i * 512 : (i + 1) * 512][None]} for i in range(args.calibration)]
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="bench_deploy."))
     models = {"unpruned": base}
     with quiet():
@@ -149,14 +152,23 @@ def main(argv=None) -> dict | None:
                 total, n = nll_llama(llm, ids, windows)
             finally:
                 llm.close()
-            pp, tg = speed(path, test, args)
             record = {"model": name, "type": type_, "arch": summary.arch, "params": summary.parameters,
-                      "size_mib": summary.size_bytes / 2**20, "pp_tok_s": pp, "tg_tok_s": tg,
-                      "ppl_llama_cpp": math.exp(total / n), "ppl_transformers": hf_ppl, "tokens": n}  # fmt: skip
+                      "size_mib": summary.size_bytes / 2**20, "path": path, "ppl_llama_cpp": math.exp(total / n),
+                      "ppl_transformers": hf_ppl, "tokens": n, "pp": [], "tg": []}  # fmt: skip
             records.append(record)
-            rows.append([name, type_, summary.arch, f"{summary.parameters / 1e6:.1f}M", f"{record['size_mib']:.1f}",
-                         f"{pp:.0f}", f"{tg:.1f}", f"{record['ppl_llama_cpp']:.2f}", f"{hf_ppl:.2f}"])  # fmt: skip
-            print(f"  {type_}: {rows[-1]}", flush=True)
+            print(f"  {type_}: {record['size_mib']:.1f} MiB, llama.cpp perplexity {record['ppl_llama_cpp']:.2f}")
+    # Speed runs interleaved over the files (round robin), so load on the machine hits every file alike.
+    for _ in tqdm(range(args.repeats), desc="speed rounds"):
+        for record in records:
+            pp, tg = speed(record["path"], test, args)
+            record["pp"].append(pp)
+            record["tg"].append(tg)
+    for record in records:
+        record["pp_tok_s"], record["tg_tok_s"] = float(np.median(record["pp"])), float(np.median(record["tg"]))
+        record["path"] = str(record["path"])
+        rows.append([record["model"], record["type"], record["arch"], f"{record['params'] / 1e6:.1f}M",
+                     f"{record['size_mib']:.1f}", f"{record['pp_tok_s']:.0f}", f"{record['tg_tok_s']:.1f}",
+                     f"{record['ppl_llama_cpp']:.2f}", f"{record['ppl_transformers']:.2f}"])  # fmt: skip
     headers = ["model", "type", "llama.cpp arch", "params", "MiB", "prompt tok/s", "gen tok/s",
                "ppl llama.cpp", "ppl transformers"]  # fmt: skip
     print()
