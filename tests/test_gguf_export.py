@@ -329,3 +329,13 @@ def test_smollm2_uneven_compensated_runs_in_llama_cpp(tmp_path):
         np.testing.assert_array_equal(data, theirs[name], err_msg=name)
     check = verify_gguf(quant.path, model, test_ids, exact_type=False)
     assert check.tokens == 512 and check.top1_agreement >= 0.93, check
+
+
+@pytest.mark.parametrize("type_", ["f16", "bf16", "q4_0"])
+def test_every_type_loads_in_llama_cpp(tmp_path, type_):
+    pytest.importorskip("llama_cpp")
+    model = pruned("qwen2", {"heads": {0: [0, 1]}}, hidden_size=64, intermediate_size=96)  # rows of 64: quantized
+    out = export(model, tmp_path, type=type_, verify=True)
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(out.path).tensors}
+    assert {"F32", type_.upper()} <= kinds  # norms stay float32
+    assert out.verify.tokens == 24 and out.verify.top1_agreement >= 0.5, out.verify
