@@ -339,3 +339,19 @@ def test_every_type_loads_in_llama_cpp(tmp_path, type_):
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(out.path).tensors}
     assert {"F32", type_.upper()} <= kinds  # norms stay float32
     assert out.verify.tokens == 24 and out.verify.top1_agreement >= 0.5, out.verify
+
+
+def test_dry_run_estimate_has_an_export_row_growing_with_the_arms():
+    from test_estimate import fake_probe
+
+    from sinv_prune.pipeline.estimate import estimate_stages
+    from sinv_prune.pipeline.recipe import validate_recipe
+
+    tokens = {"train": 10_000, "valid": 1_000, "test": 1_000}
+    one = {**EXPORT_RECIPE, "prune": {"arms": EXPORT_RECIPE["prune"]["arms"][:1]}}
+    rows = {n: {r.stage: r for r in estimate_stages(validate_recipe(d), fake_probe(), tokens)} for n, d in
+            (("one", one), ("two", EXPORT_RECIPE))}  # fmt: skip
+    assert "2 GGUF files (f32)" in rows["one"]["export"].what
+    assert rows["two"]["export"].seconds > rows["one"]["export"].seconds > 0
+    assert "export" not in {r.stage for r in estimate_stages(validate_recipe({**one, "export": None}), fake_probe(),
+                                                             tokens)}  # fmt: skip
