@@ -318,6 +318,17 @@ def test_smollm2_uneven_compensated_runs_in_llama_cpp(tmp_path):
     assert meta["deci.attention.head_count"][:5] == [6, 9, 9, 9, 6] and meta["deci.attention.head_count_kv"][4] == 2
     assert meta["tokenizer.ggml.pre"] == "smollm" and len(meta["tokenizer.ggml.tokens"]) == 49152
 
+    # Without the source file, the vocabulary built from the transformers tokenizer is the same one.
+    from sinv_prune.deploy.gguf_vocab import add_vocab
+
+    writer = gguf.GGUFWriter(tmp_path / "vocab.gguf", "deci")
+    assert "pre-tokenizer 'smollm'" in add_vocab(writer, tokenizer, 49152, None)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    built = fields(tmp_path / "vocab.gguf")
+    for key in ("tokens", "token_type", "merges", "pre", "model", "bos_token_id", "eos_token_id", "add_bos_token"):
+        assert built[f"tokenizer.ggml.{key}"] == meta[f"tokenizer.ggml.{key}"], key
+    assert built["tokenizer.chat_template"] == meta["tokenizer.chat_template"]
+
     quant = sinv_prune.export_gguf(model, tokenizer, tmp_path / "q8.gguf", type="q8_0", verify=False)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
