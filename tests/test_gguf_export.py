@@ -190,6 +190,7 @@ def test_llama_cpp_matches_transformers(tmp_path, case):
     out = export(model, tmp_path, verify=True)
     assert out.verify.passed, out.verify
     assert out.verify.max_rel_diff < 1e-3 and out.verify.top1_agreement == 1.0
+    assert out.verify.continuation_llama_cpp == out.verify.continuation_transformers  # 16 greedy ids
     prompt = [5, 17, 33, 2, 60, 9, 41, 12]
     llm = load_llama(out.path, n_ctx=64)
     try:
@@ -265,6 +266,7 @@ def test_recipe_exports_every_arm_and_the_baseline(tmp_path):
         assert (row["verify"] is not None) == llama_cpp_available()
     assert (out / "arms" / "magnitude-2-global" / "model.gguf").exists() and (out / "base" / "model.gguf").exists()
     report = (out / "report.md").read_text()
+    assert ("Greedy continuations" in report) == llama_cpp_available()
     assert (
         "## GGUF files (llama.cpp)" in report
         and "| magnitude-2-global | `arms/magnitude-2-global/model.gguf` | deci" in report

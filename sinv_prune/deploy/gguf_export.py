@@ -43,6 +43,8 @@ from sinv_prune.version import __version__
 
 #: Attribute ``sinv_prune.from_pretrained`` sets on a model loaded from a GGUF file (its path).
 SOURCE_ATTR = "sinv_gguf_source"
+#: Greedy tokens generated on both sides by the check, shown side by side in the summary and report.
+CONTINUE_TOKENS = 16
 
 
 @dataclass
@@ -152,7 +154,9 @@ def export_gguf(
     if verify:
         ids = gguf_verify.prompt_ids(tokenizer, n_vocab)
         exact = type == "f32" and next(model.parameters()).dtype == torch.float32
-        result.verify = gguf_verify.verify_gguf(path, model, ids, exact_type=exact)
+        result.verify = gguf_verify.verify_gguf(
+            path, model, ids, exact_type=exact, continue_tokens=CONTINUE_TOKENS, tokenizer=tokenizer
+        )
     return result
 
 

@@ -102,14 +102,44 @@ def verify_gguf(
     *,
     exact_type: bool,
     rtol: float = 1e-3,
+    continue_tokens: int = 0,
+    tokenizer=None,
 ) -> VerifyResult:
-    """Load ``path`` in llama.cpp, evaluate ``ids`` and compare every position with ``model``."""
-    llm = load_llama(path, n_ctx=max(64, len(ids)))
+    """Load ``path`` in llama.cpp, evaluate ``ids`` and compare every position with ``model``.
+
+    ``continue_tokens > 0`` also continues ``ids`` greedily on both sides (decoded with ``tokenizer``).
+    """
+    llm = load_llama(path, n_ctx=max(64, len(ids) + continue_tokens + 1))
     try:
         got = llama_logits(llm, ids)
+        ours = greedy_llama(llm, ids, continue_tokens) if continue_tokens else None
     finally:
         llm.close()
-    return compare(reference_logits(model, ids), got, exact_type, rtol)
+    result = compare(reference_logits(model, ids), got, exact_type, rtol)
+    if ours is not None:
+        theirs = greedy_reference(model, ids, continue_tokens)
+        show = (lambda t: tokenizer.decode(t)) if tokenizer is not None else str
+        result.continuation_transformers, result.continuation_llama_cpp = show(theirs), show(ours)
+    return result
+
+
+def greedy_llama(llm, ids: list[int], steps: int) -> list[int]:
+    """``steps`` greedy tokens after ``ids`` in llama.cpp (arg-max of its logits, no sampler)."""
+    llm.reset()
+    llm.eval(ids)
+    out: list[int] = []
+    for _ in range(steps):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([out[-1]])
+    return out
+
+
+def greedy_reference(model: nn.Module, ids: list[int], steps: int) -> list[int]:
+    """``steps`` greedy tokens after ``ids`` in transformers (full forwards: no cache, no stopping token)."""
+    seq = list(ids)
+    for _ in range(steps):
+        seq.append(int(reference_logits(model, seq)[-1].argmax()))
+    return seq[len(ids) :]
 
 
 def prompt_ids(tokenizer, vocab_size: int, length: int = 24) -> list[int]:

@@ -192,6 +192,15 @@ def gguf_section(gguf: dict | None) -> list[str]:
             cell = f"{verdict}: {exact}top-1 {check['top1_agreement']:.1%} of {check['tokens']} tokens"
         lines.append(f"| {name} | `{row['path']}` | {row['arch']} | {row['type']} | "
                      f"{row['size_bytes'] / 2**20:,.1f} MiB | {cell} |")  # fmt: skip
+    shown = {k: v["verify"] for k, v in gguf.items() if (v.get("verify") or {}).get("continuation_transformers")}
+    if shown:
+        lines += ["", "Greedy continuations of the check's prompt:", "", "| model | transformers | llama.cpp |",
+                  "| --- | --- | --- |"]  # fmt: skip
+        for name, check in shown.items():
+            cells = [
+                repr(check[k]).replace("|", "\\|") for k in ("continuation_transformers", "continuation_llama_cpp")
+            ]
+            lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
     return lines
 
 
