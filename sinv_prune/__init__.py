@@ -1,6 +1,7 @@
 """sinv_prune: find and physically remove attention heads (and MLP channels, layers) from transformers models."""
 
 from sinv_prune.arch import get_adapter, register_adapter, supported_model_types
+from sinv_prune.deploy import GGUFExport, export_gguf
 from sinv_prune.hub.push import push_pruned
 from sinv_prune.pipeline.tracking import ConvergenceCallback, HeadFreezer, stop_rule, track
 from sinv_prune.scoring.criteria import Criterion, available_criteria, get_criterion, register_criterion
@@ -25,6 +26,8 @@ __all__ = [
     "count_parameters",
     "Criterion",
     "ECD",
+    "export_gguf",
+    "GGUFExport",
     "from_pretrained",
     "get_adapter",
     "get_criterion",

@@ -74,6 +74,7 @@ def main() -> None:
     sinv-prune quickstart                  the built-in offline quickstart recipe
     sinv-prune prune MODEL OUT --heads ..  remove given heads and save
     sinv-prune eval MODEL --tasks ..       zero-shot tasks through lm-evaluation-harness
+    sinv-prune export SOURCE OUT.gguf      write a GGUF file for llama.cpp
     """
 
 
@@ -452,6 +453,64 @@ def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens,
 
         write_json(json_path, {k: v for k, v in out.items() if k != "raw"})
         click.echo(f"wrote {json_path}")
+@main.command("export")
+@click.argument("source")
+@click.argument("output", type=click.Path(path_type=Path))
+@click.option(
+    "--type",
+    "type_",
+    default="f16",
+    show_default=True,
+    type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0"]),
+    help="GGUF storage type of the weights.",
+)
+@click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
+@click.option(
+    "--verify/--no-verify",
+    default=None,
+    help="Compare llama.cpp's logits with transformers' (default: when llama-cpp-python is installed).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+def export(source: str, output: Path, type_: str, gguf_file: str | None, verify: bool | None, overwrite: bool):
+    """Write the model at SOURCE as one GGUF file OUTPUT that llama.cpp runs (any per-layer shape it can express).
+
+    \b
+    SOURCE is one of (as for push), or a Hub id or a .gguf file
+      RUN_DIR/ARM_NAME        an arm of a recipe run, by the name in its results
+      RUN_DIR/arms/DIR        an arm directory (its fine-tuned model if any, else the pruned one)
+      MODEL_DIR               any checkpoint directory, e.g. RUN_DIR/arms/DIR/pruned
+    The tokenizer is copied from the GGUF file the model (or its run) was loaded from, else built
+    from the checkpoint's transformers tokenizer.
+    """
+    from sinv_prune.deploy import export_gguf
+    from sinv_prune.deploy.sources import run_gguf_source, tokenizer_dir
+    from sinv_prune.hub.push import _run_of_model
+    from sinv_prune.pipeline.data import load_model_tokenizer
+    from sinv_prune.surgery.checkpoint import from_pretrained
+
+    if output.exists() and not overwrite:
+        raise UsageError(f"{output} exists; pass --overwrite to replace it")
+    path = _model_source(source, gguf_file)
+    local = Path(path)
+    run = _run_of_model(local) if (local / "config.json").is_file() else None
+    try:
+        model = from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {})).eval()
+        tok_source = tokenizer_dir(local, run) if local.is_dir() and not gguf_file else None
+        if tok_source is not None:
+            tokenizer = load_model_tokenizer(str(tok_source))
+        elif gguf_file or local.suffix == ".gguf":
+            tokenizer = load_model_tokenizer(path, gguf_file=gguf_file)
+        else:
+            tokenizer = None if local.exists() else _load_tokenizer(path, None)  # a Hub id
+        result = export_gguf(
+            model, tokenizer, output, type=type_, verify=verify, overwrite=overwrite,
+            tokenizer_gguf=None if getattr(model, "sinv_gguf_source", None) else run_gguf_source(run),
+        )  # fmt: skip
+    except (OSError, ValueError, ImportError) as err:
+        raise UsageError(_one_line(err)) from None
+    click.echo(str(result))
+    if result.verify is not None and not result.verify.passed:
+        raise UsageError(f"{output} was written but does not match transformers: {result.verify}")
 
 
 @main.command()

@@ -366,6 +366,8 @@ def estimate_stages(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> lis
             rows.append(Row(f"finetune {arm.label}", load + seconds, what))
     rows.append(_evaluate_row(recipe, probe, tokens))
     rows += estimate_task_rows(recipe, probe)
+    if recipe.export is not None and recipe.export.gguf is not None:
+        rows.append(_export_row(recipe, probe))
     rows.append(Row("report", REPORT_S, "report.md and plots (fixed allowance)"))
     return rows
 
@@ -495,6 +497,32 @@ def _evaluate_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:
     load = probe.build_s + probe.param_bytes / probe.read_bps
     what = f"{1 + arms} models x {windows} windows of {data.seq_len} tokens" + (" + speed" if spec.speed else "")
     return Row("evaluate", (1 + arms) * eval_s + arms * load, what)
+
+
+def _export_row(recipe: Recipe, probe: Probe) -> Row:
+    """``export.gguf``: per model (baseline + arms) load, convert to float32, quantize (rate measured
+    here on a 1M-value sample), write, and the round-trip check (llama.cpp reads the file back and
+    runs a short prompt; counted as a read and two forwards)."""
+    import gguf
+    import numpy as np
+
+    from sinv_prune.deploy.gguf_tensors import QTYPES
+
+    qtype = QTYPES[recipe.export.gguf.type]
+    sample = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    start = time.perf_counter()
+    gguf.quants.quantize(sample, qtype)
+    quantize_bps = sample.nbytes / max(time.perf_counter() - start, 1e-6)
+    f32_bytes = probe.param_bytes * 32 // torch.finfo(getattr(torch, probe.dtype)).bits
+    one = f32_bytes / probe.copy_bps + f32_bytes / quantize_bps + f32_bytes / probe.write_bps
+    one += f32_bytes / probe.read_bps + 2 * probe.forward(24)  # the check
+    arms = len(recipe.prune.arms)
+    load = probe.build_s + probe.param_bytes / probe.read_bps
+    from sinv_prune.deploy.gguf_verify import llama_cpp_available
+
+    checked = recipe.export.gguf.verify if recipe.export.gguf.verify is not None else llama_cpp_available()
+    what = f"{1 + arms} GGUF files ({recipe.export.gguf.type})" + (", each checked in llama.cpp" if checked else "")
+    return Row("export", (1 + arms) * one + arms * load, what)
 
 
 # -- the table -------------------------------------------------------------------------------------

@@ -103,6 +103,24 @@ def check_compensation(recipe: Recipe, adapter: HeadAdapter) -> None:
             raise RecipeError(f"prune.arms[{i}].compensate: {_first_line(err)}") from None
 
 
+def check_export(recipe: Recipe, adapter: HeadAdapter) -> None:
+    """``export.gguf``: a model family llama.cpp runs, and llama-cpp-python where the check is asked for."""
+    spec = recipe.export.gguf if recipe.export else None
+    if spec is None:
+        return
+    from sinv_prune.deploy.gguf_layout import check_exportable
+
+    if spec.vocab and recipe.data.tokenizer.kind != "model":
+        raise RecipeError(
+            f"export.gguf: a tokenizer trained by the run (data.tokenizer.kind: {recipe.data.tokenizer.kind}) is not "
+            "one llama.cpp can reproduce; set export.gguf.vocab: false for token-id-only files"
+        )
+    try:
+        check_exportable(adapter.model, verify=spec.verify)
+    except (ValueError, ImportError) as err:
+        raise RecipeError(f"export.gguf: {_first_line(err)}") from None
+
+
 def check_symmetry_breaking(recipe: Recipe, adapter: HeadAdapter) -> None:
     """Symmetry breaking only where a checkpoint can carry E[b] (see :mod:`sinv_prune.symmetry.folding`)."""
     from sinv_prune.symmetry.folding import fold_plan
@@ -225,6 +243,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     check_symmetry_breaking(recipe, adapter)
     check_compensation(recipe, adapter)
     check_recipe_tasks(recipe, is_masked_lm(adapter.model))
+    check_export(recipe, adapter)
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
     for where, part in arm_parts(recipe):
         check_amount(part, adapter, layouts, f"{where}.amount")

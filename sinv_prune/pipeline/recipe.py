@@ -1,7 +1,7 @@
 """The YAML recipe: a declarative list of stages, validated before any work starts.
 
 Stages run in a fixed order, each optional except ``prune``:
-``train -> score -> prune -> finetune -> evaluate -> report -> push``.
+``train -> score -> prune -> finetune -> evaluate -> export -> report -> push``.
 Unknown keys are errors; error messages name the key path (``prune.arms[2].amount``).
 
 Example (see ``recipes/`` for complete ones)::
@@ -621,6 +621,20 @@ class PushSpec(Strict):
     overwrite: bool = False
 
 
+class GGUFExportSpec(Strict):
+    """``export: {gguf: {type: q8_0}}``: every arm and the baseline as ``model.gguf`` for llama.cpp."""
+
+    type: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] = "q8_0"
+    verify: bool | None = Field(
+        None, description="llama.cpp round-trip check; default: when llama-cpp-python is installed"
+    )
+    vocab: bool = Field(True, description="false: vocabulary-free files (token ids in, logits out)")
+
+
+class ExportSpec(Strict):
+    gguf: GGUFExportSpec | None = None
+
+
 class Recipe(Strict):
     """A whole run; ``sinv-prune RECIPE`` validates this before any work starts."""
 
@@ -636,6 +650,7 @@ class Recipe(Strict):
     evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
     report: ReportSpec = Field(default_factory=ReportSpec)
     push: PushSpec | None = None
+    export: ExportSpec | None = None
 
     @model_validator(mode="after")
     def _stage_order(self):
@@ -671,7 +686,7 @@ class Recipe(Strict):
         return str(local) if local.exists() or path.startswith(".") else path
 
 
-STAGES = ("train", "score", "prune", "finetune", "evaluate", "report", "push")
+STAGES = ("train", "score", "prune", "finetune", "evaluate", "export", "report", "push")
 
 
 def builtin_recipes() -> dict[str, Path]:

@@ -174,10 +174,39 @@ def markdown_report(results: dict, recipe: Recipe) -> str:
     if results.get("trace_summary"):
         summary = results["trace_summary"]
         lines += ["", "## Convergence trace", "", "```", _short(summary), "```"]
+    lines += gguf_section(results.get("gguf"))
     for plot in results.get("plots", []):
         lines += ["", f"![{Path(plot).stem}]({plot})"]
     lines += ["", "Full numbers: `results.json`; the resolved recipe: `recipe.yaml`.", ""]
     return "\n".join(lines)
+
+
+def gguf_section(gguf: dict | None) -> list[str]:
+    """report.md lines for ``export.gguf``: file, llama.cpp architecture, size and the round-trip check."""
+    if not gguf:
+        return []
+    lines = ["", "## GGUF files (llama.cpp)", "", "| model | file | architecture | type | size | llama.cpp check |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, row in gguf.items():
+        check = row.get("verify")
+        if check is None:
+            cell = "not run (llama-cpp-python not installed)"
+        else:
+            exact = f"max rel. logit diff {check['max_rel_diff']:.1e}, " if check["exact_type"] else ""
+            verdict = "passed" if check["passed"] else "FAILED"
+            cell = f"{verdict}: {exact}top-1 {check['top1_agreement']:.1%} of {check['tokens']} tokens"
+        lines.append(f"| {name} | `{row['path']}` | {row['arch']} | {row['type']} | "
+                     f"{row['size_bytes'] / 2**20:,.1f} MiB | {cell} |")  # fmt: skip
+    shown = {k: v["verify"] for k, v in gguf.items() if (v.get("verify") or {}).get("continuation_transformers")}
+    if shown:
+        lines += ["", "Greedy continuations of the check's prompt:", "", "| model | transformers | llama.cpp |",
+                  "| --- | --- | --- |"]  # fmt: skip
+        for name, check in shown.items():
+            cells = [
+                repr(check[k]).replace("|", "\\|") for k in ("continuation_transformers", "continuation_llama_cpp")
+            ]
+            lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    return lines
 
 
 def _short(summary: dict) -> str:

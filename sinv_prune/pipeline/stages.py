@@ -119,6 +119,7 @@ def run_recipe(
         _on_main(run, lambda: stage_prune(run))
         stage_finetune(run)
         results = _on_main(run, lambda: stage_evaluate(run))
+        results = _on_main(run, lambda: stage_export(run, results))
         _on_main(run, lambda: stage_report(run, results))
         _on_main(run, lambda: stage_push(run, results))
         return results
@@ -715,6 +716,46 @@ def _arm_fields(arm: ArmSpec) -> dict[str, Any]:
         "layout": one.layout if one and one.unit == "heads" else None,
         "seed": one.seed if one else None,
     }
+
+
+def stage_export(run: Run, results: dict) -> dict:
+    """``export.gguf``: the baseline and every arm's final model as ``model.gguf`` (llama.cpp), checked.
+
+    Files go next to each model (``base/model.gguf``, ``arms/NAME/model.gguf``); the summaries
+    (size, architecture, round-trip check) go into ``gguf.json`` and the results for the report.
+    """
+    import json
+
+    from sinv_prune.deploy import export_gguf
+
+    spec = run.recipe.export.gguf if run.recipe.export else None
+    path = run.root / "gguf.json"
+    if spec is None:
+        return results
+    if run.dir.done("export"):
+        return {**results, "gguf": json.loads(path.read_text())}
+    model_spec = run.recipe.model
+    source = Path(run.recipe.resolve(model_spec.path)) / model_spec.gguf_file if model_spec.gguf_file else None
+    targets = [("baseline", "base", run.base)] + [(row["name"], row["model_dir"], None) for row in results["arms"]]
+    out: dict[str, Any] = {}
+    for name, model_dir, model in tqdm(targets, desc="export gguf", disable=run.quiet):
+        model = model if model is not None else load_saved(run, run.root / model_dir)
+        file = (run.root / model_dir).parent / "model.gguf" if name != "baseline" else run.root / "base" / "model.gguf"
+        try:
+            summary = export_gguf(
+                model, run.tokenizer if spec.vocab else None, file, type=spec.type, verify=spec.verify,
+                tokenizer_gguf=source if spec.vocab else None, overwrite=True,
+            )  # fmt: skip
+        except ValueError as err:
+            raise RunStageError(f"export.gguf ({name}): {err}") from None
+        out[name] = {**summary.to_json(), "path": str(file.relative_to(run.root))}
+        logger.info("gguf %s: %s", name, str(summary).replace("\n", "; "))
+        if model is not run.base:
+            del model
+            release()
+    write_json(path, out)
+    run.dir.finish("export")
+    return {**results, "gguf": out}
 
 
 def stage_report(run: Run, results: dict) -> None:

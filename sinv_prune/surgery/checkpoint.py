@@ -200,6 +200,9 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, model_cls: type | Non
     model = cls.from_pretrained(path, config=config, **kwargs)
     if kwargs.get("gguf_file"):
         _drop_gguf_quantizer(model)
+        source = os.path.join(path, kwargs["gguf_file"])
+        if os.path.isfile(source):  # export_gguf copies the tokenizer keys from here
+            model.sinv_gguf_source = os.path.abspath(source)
     restore_symmetry_breaking(model)  # eval after reload matches training-time biases
     return model
 
