@@ -453,6 +453,8 @@ def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens,
 
         write_json(json_path, {k: v for k, v in out.items() if k != "raw"})
         click.echo(f"wrote {json_path}")
+
+
 @main.command("export")
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=Path))
