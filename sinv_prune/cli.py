@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from sinv_prune.filemodes import apply_umask
 from sinv_prune.version import __version__
 
 
@@ -329,6 +330,7 @@ def _save_atomically(output: Path, overwrite: bool, write) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         write(tmp)
+        apply_umask(tmp)
         if output.exists() and overwrite:
             shutil.rmtree(output) if output.is_dir() else output.unlink()
         os.replace(tmp, output)

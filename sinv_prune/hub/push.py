@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from sinv_prune import strict_json
 from sinv_prune.version import __version__
 
 logger = logging.getLogger("sinv_prune")
@@ -437,7 +438,7 @@ def _fresh_outputs(model_dir: Path, route: str, cls: str, ids: torch.Tensor, *, 
         job = {"route": route, "class": cls, "dir": str(model_dir.resolve()), "ids": ids.tolist(),
                "out": str(Path(tmp) / "out.pt")}  # fmt: skip
         job_file = Path(tmp) / "job.json"
-        job_file.write_text(json.dumps(job))
+        job_file.write_text(strict_json.dumps(job))
         env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
         package_root = str(Path(importlib.import_module("sinv_prune").__file__).resolve().parents[1])
         env.update(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from sinv_prune.pipeline.recipe import Recipe
 from sinv_prune.pipeline.rundir import write_json, write_text
+from sinv_prune.strict_json import with_null_reasons
 
 logger = logging.getLogger("sinv_prune")
 
@@ -23,7 +24,7 @@ def write_report(root: Path, results: dict, recipe: Recipe, *, plots: bool = Tru
             figures += [Path(p) for p in plot_trace(trace, root / "plots").values()]
             results["trace_summary"] = summarize_trace(trace)
     results["plots"] = [str(p.relative_to(root)) for p in figures]
-    write_json(root / "results.json", results)
+    write_json(root / "results.json", with_null_reasons(results))
     write_text(root / "report.md", markdown_report(results, recipe))
 
 

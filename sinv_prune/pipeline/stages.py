@@ -52,6 +52,7 @@ from sinv_prune.pipeline.threads import parse_threads, recipe_threads
 from sinv_prune.pipeline.training import remove_checkpoints, run_trainer
 from sinv_prune.scoring.criteria import Criterion, StoredScores, criterion_class, get_criterion
 from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
+from sinv_prune.strict_json import with_null_reasons
 from sinv_prune.surgery.checkpoint import from_pretrained
 from sinv_prune.surgery.removal import count_parameters
 
@@ -391,7 +392,7 @@ def stage_score(run: Run) -> None:
         scores = crit.compute(run.base, batches=batches, trace=trace)
         results[key] = {"scores": scores, "report": crit.report(), "seconds": time.perf_counter() - start}
         logger.info("scored %s in %.1fs %s", key, results[key]["seconds"], crit.report() or "")
-    write_json(path, results)
+    write_json(path, with_null_reasons(results))
     run.dir.finish("score")
 
 
@@ -693,6 +694,7 @@ def stage_evaluate(run: Run) -> dict:
         "task": "masked-lm" if run.mlm else "causal-lm",
         "train": run.dir.state.get("train"),
     }
+    results = with_null_reasons(results)
     write_json(path, results)
     run.dir.finish("evaluate")
     return results

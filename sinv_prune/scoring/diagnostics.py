@@ -32,12 +32,12 @@ backend change); matplotlib is imported only by the plotting functions.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from sinv_prune import strict_json
 from sinv_prune.scoring.trace import measurements as _measurement_lines
 from sinv_prune.scoring.trace import read_trace
 
@@ -488,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     summary = summarize_trace(args.trace, args.threshold)
     if args.out:
         summary["plots"] = {k: str(v) for k, v in plot_trace(args.trace, args.out, threshold=args.threshold).items()}
-    print(json.dumps(summary, indent=1))
+    print(strict_json.dumps(strict_json.null_non_finite(summary)[0], indent=1))
 
 
 if __name__ == "__main__":
