@@ -208,12 +208,18 @@ def _run(recipe, output: Path, **kwargs) -> None:
 
 
 def _print_summary(results: dict, output: Path) -> None:
+    """The summary table: a rich table on a terminal; a plain one, never truncated, in a log or pipe."""
     from rich.console import Console
     from rich.table import Table
 
-    from sinv_prune.pipeline.report import format_cell, summary_rows
+    from sinv_prune.pipeline.report import format_cell, plain_table, summary_rows
 
     rows = summary_rows(results)
+    if not sys.stdout.isatty():
+        click.echo(f"sinv-prune: {output}")
+        click.echo(plain_table(rows))
+        click.echo(f"report: {output / 'report.md'}   results: {output / 'results.json'}")
+        return
     table = Table(title=f"sinv-prune: {output}", title_justify="left")
     for key in rows[0]:
         table.add_column(key, justify="left" if key in ("arm", "criterion") else "right")

@@ -29,12 +29,21 @@ def write_report(root: Path, results: dict, recipe: Recipe, *, plots: bool = Tru
 
 
 def summary_rows(results: dict) -> list[dict]:
-    """Rows for the summary table and report.md: baseline first, then each arm."""
+    """Rows for the summary table and report.md: baseline first, then each arm.
+
+    The ``layout`` column (how a GQA layer loses heads) is there only when the model has GQA
+    (``results["run"]["gqa"]``; results written before it was recorded keep the column) and some
+    arm removes heads: elsewhere every layout is the same cut.
+    """
     base = results["baseline"]
     rows = [_row("baseline", "-", None, base, None, base)]
     for arm in results["arms"]:
         row = _row(arm["name"], arm["criterion"], removed_text(arm), arm["pruned"], arm.get("finetuned"), base)
         rows.append(row | {"layout": arm.get("layout")})
+    gqa = results.get("run", {}).get("gqa", True)
+    if not gqa or all(row["layout"] is None for row in rows):
+        for row in rows:
+            del row["layout"]
     return rows
 
 
@@ -180,6 +189,19 @@ def _short(summary: dict) -> str:
     keys = ("threshold", "measurements", "last_step", "stop_rule", "never_converged_layers",
             "undertrained_layers", "heads_total", "heads_ever_below", "heads_below_at_end")  # fmt: skip
     return "\n".join(f"{k}: {summary[k]}" for k in keys if k in summary)
+
+
+def plain_table(rows: list[dict]) -> str:
+    """``rows`` as aligned text columns, every cell in full (for logs and pipes, where rich would truncate)."""
+    cells = [list(rows[0])] + [[format_cell(v) for v in row.values()] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    left = [key in ("arm", "criterion", "layout", "removed") for key in rows[0]]
+    lines = []
+    for n, line in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if lf else c.rjust(w) for c, w, lf in zip(line, widths, left, strict=True)))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def format_cell(value) -> str:

@@ -693,11 +693,20 @@ def stage_evaluate(run: Run) -> dict:
         "eval_split": _eval_split(run),
         "task": "masked-lm" if run.mlm else "causal-lm",
         "train": run.dir.state.get("train"),
+        "gqa": _has_gqa(run.base),
     }
     results = with_null_reasons(results)
     write_json(path, results)
     run.dir.finish("evaluate")
     return results
+
+
+def _has_gqa(model) -> bool:
+    """Whether some layer's KV heads serve several query heads (only then does an arm's ``layout`` matter)."""
+    from sinv_prune.arch import get_adapter
+
+    adapter = get_adapter(model)
+    return any(adapter.layout(i).group_size > 1 for i in range(adapter.num_layers))
 
 
 def _arm_fields(arm: ArmSpec) -> dict[str, Any]:
