@@ -31,19 +31,67 @@ class UsageError(click.ClickException):
             click.echo(f"error: {self.message}", err=True)
 
 
-def parse_heads(text: str) -> dict[int, list[int]]:
-    """``"0:1,3;5:0"`` or JSON ``{"0": [1, 3], "5": [0]}`` -> ``{0: [1, 3], 5: [0]}``."""
+def _indices(text: str) -> list[int]:
+    """``"1,3,8-10"`` -> ``[1, 3, 8, 9, 10]`` (ranges inclusive)."""
+    out: list[int] = []
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        first, dash, last = item.partition("-")
+        out.extend(range(int(first), int(last) + 1) if dash and first else [int(item)])
+    return out
+
+
+def parse_heads(text: str, option: str = "--heads") -> dict[int, list[int]]:
+    """``"0:1,3;5:0-2"`` or JSON ``{"0": [1, 3], "5": [0, 1, 2]}`` -> ``{0: [1, 3], 5: [0, 1, 2]}``.
+
+    The same form names MLP channels (``--mlp``); ``a-b`` is the inclusive range.
+    """
     text = text.strip()
     try:
         if text.startswith("{"):
             return {int(k): [int(h) for h in v] for k, v in json.loads(text).items()}
         out: dict[int, list[int]] = {}
         for part in filter(None, (p.strip() for p in text.split(";"))):
-            layer, _, heads = part.partition(":")
-            out.setdefault(int(layer), []).extend(int(h) for h in heads.split(",") if h.strip())
+            layer, colon, heads = part.partition(":")
+            if not colon:
+                raise ValueError(part)
+            out.setdefault(int(layer), []).extend(_indices(heads))
         return out
     except (ValueError, TypeError, AttributeError, json.JSONDecodeError):
-        raise UsageError(f"--heads: cannot parse {text!r}; use '0:1,3;5:0' or JSON {{\"0\": [1, 3]}}") from None
+        raise UsageError(f"{option}: cannot parse {text!r}; use '0:1,3;5:0-2' or JSON {{\"0\": [1, 3]}}") from None
+
+
+def parse_layers(text: str) -> list[int]:
+    """``"3,5-7"`` or JSON ``[3, 5, 6, 7]`` -> ``[3, 5, 6, 7]``."""
+    text = text.strip()
+    try:
+        return [int(i) for i in json.loads(text)] if text.startswith("[") else _indices(text)
+    except (ValueError, TypeError, json.JSONDecodeError):
+        raise UsageError(f"--layers: cannot parse {text!r}; use '3,5-7' or JSON [3, 5]") from None
+
+
+def read_plan(path: Path) -> dict:
+    """A plan file: JSON ``{"heads": {layer: [heads]}, "mlp": {layer: [channels]}, "layers": [blocks]}``."""
+    try:
+        plan = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise UsageError(f"--plan: cannot read {path}: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--plan: {path} is not JSON ({err.msg}, line {err.lineno})") from None
+    if not isinstance(plan, dict):
+        raise UsageError(f'--plan: {path} must hold a JSON object like {{"heads": {{"0": [1]}}, "layers": [3]}}')
+    try:
+        out: dict = {}
+        for key in ("heads", "mlp"):
+            if key in plan:
+                out[key] = {int(k): [int(i) for i in v] for k, v in plan[key].items()}
+        if "layers" in plan:
+            out["layers"] = [int(i) for i in plan["layers"]]
+    except (ValueError, TypeError, AttributeError):
+        raise UsageError(f"--plan: {path}: indices must be integers, layers keyed by their number") from None
+    unknown = sorted(set(plan) - {"heads", "mlp", "layers"})
+    if unknown:
+        raise UsageError(f"--plan: {path}: unknown keys {unknown}; expected heads, mlp, layers")
+    return out
 
 
 class RecipeGroup(click.Group):
@@ -68,12 +116,15 @@ class RecipeGroup(click.Group):
 @click.group(cls=RecipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="sinv-prune")
 def main() -> None:
-    """Find and physically remove attention heads from transformers models.
+    """Find and physically remove attention heads, MLP channels and whole layers from transformers models.
 
     \b
     sinv-prune RECIPE.yaml --output DIR    run a recipe (train, score, prune, fine-tune, evaluate, report)
     sinv-prune quickstart                  the built-in offline quickstart recipe
-    sinv-prune prune MODEL OUT --heads ..  remove given heads and save
+    sinv-prune prune MODEL OUT --heads ..  remove given heads / --mlp channels / --layers (or --plan FILE.json)
+    sinv-prune info MODEL                  what was removed from a pruned model and how it reloads
+    sinv-prune push MODEL --repo-id ..     check that it reloads, then push it with a model card
+    sinv-prune align MODEL -o DIR          symmetry-breaking analysis: tokens aligned with E[b_Q] per head
     """
 
 
@@ -234,22 +285,56 @@ def _print_summary(results: dict, output: Path) -> None:
 @main.command()
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=Path))
-@click.option("--heads", required=True, help="Heads to remove, current numbering: '0:1,3;5:0' or JSON.")
+@click.option("--heads", default=None, help="Query heads to remove per layer: '0:1,3;5:0' or JSON {\"0\": [1, 3]}.")
+@click.option("--mlp", default=None, help="MLP channels to remove per layer: '0:0-127;3:5,9' or JSON.")
+@click.option("--layers", default=None, help="Whole blocks to remove: '3,5-7' or JSON [3, 5].")
+@click.option(
+    "--plan",
+    "plan_file",
+    default=None,
+    type=click.Path(path_type=Path),
+    help='The whole plan as JSON: {"heads": {"0": [1]}, "mlp": {"2": [0, 1]}, "layers": [3]}.',
+)
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
 @click.option("--allow-empty-layers", is_flag=True, help="Allow removing every head of a layer.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
-def prune(source: str, output: Path, heads: str, gguf_file: str | None, allow_empty_layers: bool, overwrite: bool):
-    """Remove HEADS from the model at SOURCE and save the smaller model to OUTPUT."""
-    from sinv_prune.surgery.checkpoint import from_pretrained
-    from sinv_prune.surgery.removal import prune_heads
+def prune(
+    source: str,
+    output: Path,
+    heads: str | None,
+    mlp: str | None,
+    layers: str | None,
+    plan_file: Path | None,
+    gguf_file: str | None,
+    allow_empty_layers: bool,
+    overwrite: bool,
+):
+    """Remove heads, MLP channels and/or whole layers from the model at SOURCE; save it to OUTPUT.
 
-    request = parse_heads(heads)
+    Every index is in the model's numbering now (as sinv-prune info shows it); heads and channels
+    are cut first, then blocks dropped, in one call of sinv_prune.prune.
+    """
+    from sinv_prune.surgery.checkpoint import from_pretrained
+    from sinv_prune.surgery.removal import prune as prune_plan
+
+    if plan_file is not None and (heads or mlp or layers):
+        raise UsageError("--plan holds the whole plan; do not combine it with --heads, --mlp or --layers")
+    if plan_file is not None:
+        request = read_plan(plan_file)
+    else:
+        request = {"heads": parse_heads(heads)} if heads else {}
+        if mlp:
+            request["mlp"] = parse_heads(mlp, "--mlp")
+        if layers:
+            request["layers"] = parse_layers(layers)
+    if not any(request.values()):
+        raise UsageError("nothing to remove: give --heads, --mlp, --layers or --plan FILE.json")
     if output.exists() and not overwrite:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     source = _model_source(source, gguf_file)
     try:
         model = from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
-        summary = prune_heads(model, request, allow_empty_layers=allow_empty_layers)
+        summary = prune_plan(model, request, allow_empty_layers=allow_empty_layers)
     except (OSError, ValueError) as err:
         # The library names its keyword argument; here the user typed a flag.
         raise UsageError(_one_line(err).replace("allow_empty_layers=True", "--allow-empty-layers")) from None
