@@ -248,8 +248,8 @@ def _run(recipe, output: Path, **kwargs) -> None:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         results = run_recipe(recipe, output, **kwargs)
-    except RunStageError as err:
-        raise UsageError(str(err)) from None  # finished stages stay for --resume
+    except (RunStageError, FloatingPointError) as err:  # FloatingPointError: training diverged (ECD's NaN limit)
+        raise UsageError(_one_line(err)) from None  # finished stages stay for --resume
     except (RecipeError, RunDirError) as err:
         if fresh:
             shutil.rmtree(output, ignore_errors=True)

@@ -160,3 +160,17 @@ def test_bad_plans_exit_2_and_leave_nothing(source, tmp_path, args, message):
     assert message in result.output
     assert result.output.strip().splitlines()[-1].startswith("error:")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_diverged_training_stops_the_run_with_one_line(tmp_path, monkeypatch):
+    from sinv_prune.pipeline import stages
+
+    def diverge(*args, **kwargs):
+        raise FloatingPointError("ECD: the loss was NaN or infinite in 11 of 40 steps\n(more than 10)")
+
+    monkeypatch.setattr(stages, "run_recipe", diverge)
+    result = run("quickstart", "--output", tmp_path / "run", "--quiet")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        "error: ECD: the loss was NaN or infinite in 11 of 40 steps (more than 10)"
+    )
