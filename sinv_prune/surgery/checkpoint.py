@@ -23,6 +23,7 @@ import importlib
 import logging
 import os
 import sys
+import weakref
 
 import transformers
 from torch import nn
@@ -92,6 +93,10 @@ def class_by_name(name: str, module: str) -> type:
     return cls
 
 
+#: The stock-route refusals already logged, per model (weakly: a collected model drops its entry).
+_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: PruningRecord) -> None:
     """Choose the reload route after pruning and set class and config to match it."""
     from sinv_prune.surgery.record import set_record  # looked up at call time (tests inject failures there)
@@ -117,7 +122,8 @@ def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: P
             else:  # saved as null, auto_map would break AutoConfig; drop the attribute
                 vars(config).pop("auto_map", None)
     else:
-        if getattr(adapter, "stock_reload", False):
+        if getattr(adapter, "stock_reload", False) and stock_reason not in _WARNED.setdefault(model, set()):
+            _WARNED[model].add(stock_reason)  # once per model and reason, not at every prune of it
             logger.warning("sinv_prune: %s; the checkpoint reloads through trust_remote_code=True", stock_reason)
         _set_head_counts(adapter, config, record.num_heads, record.num_kv_heads, record.head_dim)
         _set_intermediate(adapter, config, record.intermediate_size)
