@@ -6,6 +6,7 @@ temporary directory and moved into place only when complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -138,6 +139,12 @@ def main() -> None:
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when present).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or console log; the summary still prints.")
 @click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Every log line on the console too (training metrics, transformers' warnings), as in run.log.",
+)
+@click.option(
     "--threads",
     default="auto",
     show_default=True,
@@ -147,7 +154,7 @@ def main() -> None:
 @click.option(
     "--keep-checkpoints", is_flag=True, help="Keep Trainer checkpoints (with optimizer state) after each stage."
 )
-def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, threads, keep_checkpoints):
+def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, verbose, threads, keep_checkpoints):
     """Run RECIPE (a YAML file or a built-in name) into a run directory."""
     from sinv_prune.pipeline.recipe import RecipeError, load_recipe
     from sinv_prune.pipeline.threads import parse_threads
@@ -171,6 +178,7 @@ def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, th
         resume=resume,
         device=device,
         quiet=quiet,
+        verbose=verbose,
         threads=threads,
         keep_checkpoints=keep_checkpoints,
     )
@@ -229,9 +237,7 @@ def _print_estimate(recipe, device: str | None, config_s: float, threads: int | 
         click.echo("note: the corpus (a Hub dataset) is not read before the run: stages sized by it count as empty")
 
 
-def _run(recipe, output: Path, **kwargs) -> None:
-    import logging
-
+def _run(recipe, output: Path, *, verbose: bool = False, **kwargs) -> None:
     from sinv_prune.pipeline.ranks import main_by_env
     from sinv_prune.pipeline.recipe import RecipeError
     from sinv_prune.pipeline.rundir import RunDirError
@@ -239,15 +245,12 @@ def _run(recipe, output: Path, **kwargs) -> None:
 
     main = main_by_env()  # under torchrun / accelerate launch only the main process prints and cleans up
     fresh = main and not output.exists()
-    if kwargs["quiet"] or not main:
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    else:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    quiet = kwargs["quiet"] or not main
+    # Progress bars on a terminal (or with -v); in a log or a pipe they would be thousands of redraws.
+    kwargs["quiet"] = quiet or not (verbose or sys.stderr.isatty())
     try:
-        results = run_recipe(recipe, output, **kwargs)
+        with _console(quiet=quiet, verbose=verbose):
+            results = run_recipe(recipe, output, **kwargs)
     except (RunStageError, FloatingPointError) as err:  # FloatingPointError: training diverged (ECD's NaN limit)
         raise UsageError(_one_line(err)) from None  # finished stages stay for --resume
     except (RecipeError, RunDirError) as err:
@@ -256,6 +259,55 @@ def _run(recipe, output: Path, **kwargs) -> None:
         raise UsageError(str(err)) from None
     if main:
         _print_summary(results, output)
+
+
+class _ConsoleFilter:
+    """The console's share of the log: warnings, and the INFO lines marked for it (one per finished stage
+    or arm, ``extra=CONSOLE`` in the pipeline); every line with ``-v``."""
+
+    def __init__(self, verbose: bool):
+        self.verbose = verbose
+
+    def filter(self, record) -> bool:
+        import logging
+
+        return self.verbose or record.levelno >= logging.WARNING or getattr(record, "console", False)
+
+
+@contextlib.contextmanager
+def _console(*, quiet: bool, verbose: bool):
+    """Console logging for a run: nothing but errors with ``quiet``; stage lines by default; all with ``-v``.
+
+    transformers' own warnings and progress bars (loading, saving) leave the console unless ``-v``;
+    its warnings still reach ``run.log``.
+    """
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    log = logging.getLogger("sinv_prune")
+    handler = None
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.addFilter(_ConsoleFilter(verbose))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    if quiet or not verbose:
+        hf_logging.disable_default_handler()
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if handler is not None:
+            log.removeHandler(handler)
+        if quiet or not verbose:
+            hf_logging.enable_default_handler()
+        hf_logging.set_verbosity(verbosity)
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
 
 
 def _print_summary(results: dict, output: Path) -> None:

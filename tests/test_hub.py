@@ -544,6 +544,7 @@ def test_an_upload_error_quoting_the_token_does_not_leak_it(hub, run_dir, tmp_pa
             stage_push(run, run_dir.results)
     finally:
         logging.getLogger("sinv_prune").removeHandler(handler)
+        logging.getLogger("transformers").removeHandler(handler)
         handler.close()
     message = str(info.value)
     assert message == f"push: push to tester/tiny-{ARM} failed: upload rejected for ***, Authorization: Bearer ***"

@@ -1,0 +1,49 @@
+"""The run's console: at default verbosity, outside a terminal, one line per finished stage or arm and the
+summary; the detail (training metrics, transformers' warnings) in run.log; ``-v`` brings it back."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from test_pipeline import invoke, recipe_file
+
+from sinv_prune.cli import _console
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("console")
+    result = invoke(recipe_file(tmp), "--output", tmp / "out")  # CliRunner: stdout and stderr are not terminals
+    assert result.exit_code == 0, result.output
+    return tmp / "out", result.output
+
+
+def test_default_console_is_short_and_run_log_keeps_the_detail(default_run):
+    out, console = default_run
+    lines = console.splitlines()
+    assert len(lines) < 60 and len(console.encode()) < 8 * 1024, console
+    assert "\r" not in console and "it/s" not in console  # no progress-bar redraws in a log
+    assert "step 6:" not in console and "loss_type" not in console and "sinv/" not in console
+    assert "trained the base model: 6 steps" in console
+    assert sum("fine-tuned 2 steps" in line for line in lines) == 4  # one line per arm
+    assert "taylor-2-global" in console and "report: " in console  # the summary
+    log = (out / "run.log").read_text()
+    assert "step 6: {" in log and "loss_type=None" in log and "score report sinv_early" in log
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_verbose_console_shows_every_line(capfd, verbose):
+    log = logging.getLogger("sinv_prune")
+    hf = logging.getLogger("transformers")
+    before = list(hf.handlers)
+    with _console(quiet=False, verbose=verbose):
+        log.info("detail line")
+        log.info("stage line", extra={"console": True})
+        log.warning("a warning")
+        during = list(hf.handlers)  # without -v, transformers' own stderr handler is off
+    err = capfd.readouterr().err
+    assert "stage line" in err and "a warning" in err
+    assert ("detail line" in err) == verbose
+    assert (during == before) == verbose and len(during) >= len(before) - 1
+    assert set(hf.handlers) == set(before)  # restored after the run
