@@ -29,7 +29,23 @@ def test_default_console_is_short_and_run_log_keeps_the_detail(default_run):
     assert sum("fine-tuned 2 steps" in line for line in lines) == 4  # one line per arm
     assert "taylor-2-global" in console and "report: " in console  # the summary
     log = (out / "run.log").read_text()
-    assert "step 6: {" in log and "loss_type=None" in log and "score report sinv_early" in log
+    assert "step 6: {" in log and "score report sinv_early" in log
+
+
+def test_run_log_takes_transformers_warnings(tmp_path):
+    """(transformers says some only once per process, so this is checked on its own.)"""
+    from sinv_prune.pipeline.stages import _log_to_file
+
+    handler = _log_to_file(tmp_path / "run.log")
+    try:
+        logging.getLogger("transformers.modeling_utils").warning("a transformers warning")
+        logging.getLogger("transformers.modeling_utils").info("an info line it keeps to itself")
+    finally:
+        logging.getLogger("sinv_prune").removeHandler(handler)
+        logging.getLogger("transformers").removeHandler(handler)
+        handler.close()
+    log = (tmp_path / "run.log").read_text()
+    assert "WARNING transformers.modeling_utils: a transformers warning" in log and "info line" not in log
 
 
 @pytest.mark.parametrize("verbose", [False, True])
