@@ -63,3 +63,22 @@ def test_verbose_console_shows_every_line(capfd, verbose):
     assert ("detail line" in err) == verbose
     assert (during == before) == verbose and len(during) >= len(before) - 1
     assert set(hf.handlers) == set(before)  # restored after the run
+
+
+def test_the_gguf_conversion_bar_follows_transformers_progress_setting():
+    """transformers' GGUF loader draws a plain tqdm bar even with its progress bars disabled."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from sinv_prune.surgery.checkpoint import _gguf_bar_follows_transformers
+
+    original = gguf_utils.tqdm
+    hf_logging.disable_progress_bar()
+    try:
+        with _gguf_bar_follows_transformers():
+            assert gguf_utils.tqdm(range(3), desc="Converting").disable
+    finally:
+        hf_logging.enable_progress_bar()
+    assert gguf_utils.tqdm is original
+    with _gguf_bar_follows_transformers():
+        assert gguf_utils.tqdm is original  # bars enabled: untouched

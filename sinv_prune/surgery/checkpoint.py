@@ -19,6 +19,7 @@ On both routes the config's layer count (``num_hidden_layers`` / ``n_layer``) an
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -203,11 +204,32 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, model_cls: type | Non
     cls = model_cls or model_class(config, record, gguf=bool(kwargs.get("gguf_file")))
     if record is not None and not record.stock_layout:
         cls = pruned_class(cls)
-    model = cls.from_pretrained(path, config=config, **kwargs)
+    with _gguf_bar_follows_transformers() if kwargs.get("gguf_file") else contextlib.nullcontext():
+        model = cls.from_pretrained(path, config=config, **kwargs)
     if kwargs.get("gguf_file"):
         _drop_gguf_quantizer(model)
     restore_symmetry_breaking(model)  # eval after reload matches training-time biases
     return model
+
+
+@contextlib.contextmanager
+def _gguf_bar_follows_transformers():
+    """transformers' GGUF conversion bar uses plain ``tqdm`` and ignores its own
+    ``disable_progress_bar()``; make it follow that setting (a quiet run's log stays quiet)."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def model_class(config, record: PruningRecord | None, gguf: bool = False) -> type:
