@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench_common as common  # noqa: E402
-import bench_recovery as recovery  # noqa: E402
+import _bench_setup as setup  # noqa: E402
 
 from sinv_prune import Part, Pruner, count_parameters, get_adapter  # noqa: E402
 from sinv_prune.pipeline.stages import StoredScores  # noqa: E402
@@ -193,7 +193,7 @@ def one_shot(bench, c: Costs, arm: str, cut: float, amounts: dict, comp: str | N
     start = time.perf_counter()
     model = bench.fresh()
     summary = pruner(amounts, comp, bench.args.seed, scores).prune(model, calibration=bench.calib if comp else None)
-    value = recovery.ppl(model, bench.test_ids, bench.args, bench.device)
+    value = setup.ppl(model, bench.test_ids, bench.args, bench.device)
     removed = summary.params_before - summary.params_after
     r = {"cut": cut, "arm": arm, "recovery": "one-shot", "method": comp or "none", "amounts": amounts,
          "heads_removed": summary.heads_removed, "channels_removed": summary.channels_removed,
@@ -210,7 +210,7 @@ def distilled(bench, c: Costs, source, start_row: dict) -> dict:
     start = time.perf_counter()
     model = copy.deepcopy(source).requires_grad_(True)
     train = bench.train(model, distill=True)
-    value = recovery.ppl(model, bench.test_ids, bench.args, bench.device)
+    value = setup.ppl(model, bench.test_ids, bench.args, bench.device)
     r = {**start_row, "recovery": f"distillation {bench.args.steps} steps", "train": train, "ppl": value,
          "reference": "unpruned fine-tuned", "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
     report(r)
@@ -330,7 +330,7 @@ def run(argv=None, script: str = __file__) -> int:
         return 0
     info, result = started
     t_start = time.perf_counter()
-    bench, base, model_info, test_ids, _ = recovery.setup_bench(args, device)
+    bench, base, model_info, test_ids, _ = setup.setup_bench(args, device)
     c = costs(base)
     print(f"model: {model_info['model']}; {c.total:,} parameters, of which token embedding (tied) {c.embedding:,}, "
           f"non-embedding {c.non_embedding:,}")  # fmt: skip
@@ -350,7 +350,7 @@ def run(argv=None, script: str = __file__) -> int:
 
     refs = {}
     start = time.perf_counter()
-    refs["unpruned"] = recovery.ppl(base, test_ids, args, device)
+    refs["unpruned"] = setup.ppl(base, test_ids, args, device)
     print(f"  unpruned: ppl {refs['unpruned']:.2f}  [{time.perf_counter() - start:.0f} s]", flush=True)
     start = time.perf_counter()
     scores = {}
@@ -388,7 +388,7 @@ def run(argv=None, script: str = __file__) -> int:
             start = time.perf_counter()
             model = bench.fresh()
             trained = bench.train(model, distill=False)
-            refs["unpruned fine-tuned"] = recovery.ppl(model, test_ids, args, device)
+            refs["unpruned fine-tuned"] = setup.ppl(model, test_ids, args, device)
             del model
             print(f"  unpruned, LM fine-tune {args.steps} steps: ppl {refs['unpruned fine-tuned']:.2f}  "
                   f"[{time.perf_counter() - start:.0f} s]", flush=True)  # fmt: skip

@@ -6,6 +6,7 @@ temporary directory and moved into place only when complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from sinv_prune.filemodes import apply_umask
 from sinv_prune.version import __version__
 
 
@@ -30,19 +32,67 @@ class UsageError(click.ClickException):
             click.echo(f"error: {self.message}", err=True)
 
 
-def parse_heads(text: str) -> dict[int, list[int]]:
-    """``"0:1,3;5:0"`` or JSON ``{"0": [1, 3], "5": [0]}`` -> ``{0: [1, 3], 5: [0]}``."""
+def _indices(text: str) -> list[int]:
+    """``"1,3,8-10"`` -> ``[1, 3, 8, 9, 10]`` (ranges inclusive)."""
+    out: list[int] = []
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        first, dash, last = item.partition("-")
+        out.extend(range(int(first), int(last) + 1) if dash and first else [int(item)])
+    return out
+
+
+def parse_heads(text: str, option: str = "--heads") -> dict[int, list[int]]:
+    """``"0:1,3;5:0-2"`` or JSON ``{"0": [1, 3], "5": [0, 1, 2]}`` -> ``{0: [1, 3], 5: [0, 1, 2]}``.
+
+    The same form names MLP channels (``--mlp``); ``a-b`` is the inclusive range.
+    """
     text = text.strip()
     try:
         if text.startswith("{"):
             return {int(k): [int(h) for h in v] for k, v in json.loads(text).items()}
         out: dict[int, list[int]] = {}
         for part in filter(None, (p.strip() for p in text.split(";"))):
-            layer, _, heads = part.partition(":")
-            out.setdefault(int(layer), []).extend(int(h) for h in heads.split(",") if h.strip())
+            layer, colon, heads = part.partition(":")
+            if not colon:
+                raise ValueError(part)
+            out.setdefault(int(layer), []).extend(_indices(heads))
         return out
     except (ValueError, TypeError, AttributeError, json.JSONDecodeError):
-        raise UsageError(f"--heads: cannot parse {text!r}; use '0:1,3;5:0' or JSON {{\"0\": [1, 3]}}") from None
+        raise UsageError(f"{option}: cannot parse {text!r}; use '0:1,3;5:0-2' or JSON {{\"0\": [1, 3]}}") from None
+
+
+def parse_layers(text: str) -> list[int]:
+    """``"3,5-7"`` or JSON ``[3, 5, 6, 7]`` -> ``[3, 5, 6, 7]``."""
+    text = text.strip()
+    try:
+        return [int(i) for i in json.loads(text)] if text.startswith("[") else _indices(text)
+    except (ValueError, TypeError, json.JSONDecodeError):
+        raise UsageError(f"--layers: cannot parse {text!r}; use '3,5-7' or JSON [3, 5]") from None
+
+
+def read_plan(path: Path) -> dict:
+    """A plan file: JSON ``{"heads": {layer: [heads]}, "mlp": {layer: [channels]}, "layers": [blocks]}``."""
+    try:
+        plan = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise UsageError(f"--plan: cannot read {path}: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--plan: {path} is not JSON ({err.msg}, line {err.lineno})") from None
+    if not isinstance(plan, dict):
+        raise UsageError(f'--plan: {path} must hold a JSON object like {{"heads": {{"0": [1]}}, "layers": [3]}}')
+    try:
+        out: dict = {}
+        for key in ("heads", "mlp"):
+            if key in plan:
+                out[key] = {int(k): [int(i) for i in v] for k, v in plan[key].items()}
+        if "layers" in plan:
+            out["layers"] = [int(i) for i in plan["layers"]]
+    except (ValueError, TypeError, AttributeError):
+        raise UsageError(f"--plan: {path}: indices must be integers, layers keyed by their number") from None
+    unknown = sorted(set(plan) - {"heads", "mlp", "layers"})
+    if unknown:
+        raise UsageError(f"--plan: {path}: unknown keys {unknown}; expected heads, mlp, layers")
+    return out
 
 
 class RecipeGroup(click.Group):
@@ -67,14 +117,17 @@ class RecipeGroup(click.Group):
 @click.group(cls=RecipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="sinv-prune")
 def main() -> None:
-    """Find and physically remove attention heads from transformers models.
+    """Find and physically remove attention heads, MLP channels and whole layers from transformers models.
 
     \b
     sinv-prune RECIPE.yaml --output DIR    run a recipe (train, score, prune, fine-tune, evaluate, report)
     sinv-prune quickstart                  the built-in offline quickstart recipe
-    sinv-prune prune MODEL OUT --heads ..  remove given heads and save
+    sinv-prune prune MODEL OUT --heads ..  remove given heads / --mlp channels / --layers (or --plan FILE.json)
     sinv-prune eval MODEL --tasks ..       zero-shot tasks through lm-evaluation-harness
     sinv-prune export SOURCE OUT.gguf      write a GGUF file for llama.cpp
+    sinv-prune info MODEL                  what was removed from a pruned model and how it reloads
+    sinv-prune push MODEL --repo-id ..     check that it reloads, then push it with a model card
+    sinv-prune align MODEL -o DIR          symmetry-breaking analysis: tokens aligned with E[b_Q] per head
     """
 
 
@@ -88,6 +141,12 @@ def main() -> None:
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when present).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or console log; the summary still prints.")
 @click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Every log line on the console too (training metrics, transformers' warnings), as in run.log.",
+)
+@click.option(
     "--threads",
     default="auto",
     show_default=True,
@@ -97,7 +156,7 @@ def main() -> None:
 @click.option(
     "--keep-checkpoints", is_flag=True, help="Keep Trainer checkpoints (with optimizer state) after each stage."
 )
-def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, threads, keep_checkpoints):
+def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, verbose, threads, keep_checkpoints):
     """Run RECIPE (a YAML file or a built-in name) into a run directory."""
     from sinv_prune.pipeline.recipe import RecipeError, load_recipe
     from sinv_prune.pipeline.threads import parse_threads
@@ -121,6 +180,7 @@ def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, th
         resume=resume,
         device=device,
         quiet=quiet,
+        verbose=verbose,
         threads=threads,
         keep_checkpoints=keep_checkpoints,
     )
@@ -179,9 +239,7 @@ def _print_estimate(recipe, device: str | None, config_s: float, threads: int | 
         click.echo("note: the corpus (a Hub dataset) is not read before the run: stages sized by it count as empty")
 
 
-def _run(recipe, output: Path, **kwargs) -> None:
-    import logging
-
+def _run(recipe, output: Path, *, verbose: bool = False, **kwargs) -> None:
     from sinv_prune.pipeline.ranks import main_by_env
     from sinv_prune.pipeline.recipe import RecipeError
     from sinv_prune.pipeline.rundir import RunDirError
@@ -189,17 +247,14 @@ def _run(recipe, output: Path, **kwargs) -> None:
 
     main = main_by_env()  # under torchrun / accelerate launch only the main process prints and cleans up
     fresh = main and not output.exists()
-    if kwargs["quiet"] or not main:
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    else:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    quiet = kwargs["quiet"] or not main
+    # Progress bars on a terminal (or with -v); in a log or a pipe they would be thousands of redraws.
+    kwargs["quiet"] = quiet or not (verbose or sys.stderr.isatty())
     try:
-        results = run_recipe(recipe, output, **kwargs)
-    except RunStageError as err:
-        raise UsageError(str(err)) from None  # finished stages stay for --resume
+        with _console(quiet=quiet, verbose=verbose):
+            results = run_recipe(recipe, output, **kwargs)
+    except (RunStageError, FloatingPointError) as err:  # FloatingPointError: training diverged (ECD's NaN limit)
+        raise UsageError(_one_line(err)) from None  # finished stages stay for --resume
     except (RecipeError, RunDirError) as err:
         if fresh:
             shutil.rmtree(output, ignore_errors=True)
@@ -208,13 +263,68 @@ def _run(recipe, output: Path, **kwargs) -> None:
         _print_summary(results, output)
 
 
+class _ConsoleFilter:
+    """The console's share of the log: warnings, and the INFO lines marked for it (one per finished stage
+    or arm, ``extra=CONSOLE`` in the pipeline); every line with ``-v``."""
+
+    def __init__(self, verbose: bool):
+        self.verbose = verbose
+
+    def filter(self, record) -> bool:
+        import logging
+
+        return self.verbose or record.levelno >= logging.WARNING or getattr(record, "console", False)
+
+
+@contextlib.contextmanager
+def _console(*, quiet: bool, verbose: bool):
+    """Console logging for a run: nothing but errors with ``quiet``; stage lines by default; all with ``-v``.
+
+    transformers' own warnings and progress bars (loading, saving) leave the console unless ``-v``;
+    its warnings still reach ``run.log``.
+    """
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    log = logging.getLogger("sinv_prune")
+    handler = None
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.addFilter(_ConsoleFilter(verbose))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    if quiet or not verbose:
+        hf_logging.disable_default_handler()
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if handler is not None:
+            log.removeHandler(handler)
+        if quiet or not verbose:
+            hf_logging.enable_default_handler()
+        hf_logging.set_verbosity(verbosity)
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+
+
 def _print_summary(results: dict, output: Path) -> None:
+    """The summary table: a rich table on a terminal; a plain one, never truncated, in a log or pipe."""
     from rich.console import Console
     from rich.table import Table
 
-    from sinv_prune.pipeline.report import format_cell, summary_rows
+    from sinv_prune.pipeline.report import format_cell, plain_table, summary_rows
 
     rows = summary_rows(results)
+    if not sys.stdout.isatty():
+        click.echo(f"sinv-prune: {output}")
+        click.echo(plain_table(rows))
+        click.echo(f"report: {output / 'report.md'}   results: {output / 'results.json'}")
+        return
     table = Table(title=f"sinv-prune: {output}", title_justify="left")
     for key in rows[0]:
         table.add_column(key, justify="left" if key in ("arm", "criterion") else "right")
@@ -229,22 +339,56 @@ def _print_summary(results: dict, output: Path) -> None:
 @main.command()
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=Path))
-@click.option("--heads", required=True, help="Heads to remove, current numbering: '0:1,3;5:0' or JSON.")
+@click.option("--heads", default=None, help="Query heads to remove per layer: '0:1,3;5:0' or JSON {\"0\": [1, 3]}.")
+@click.option("--mlp", default=None, help="MLP channels to remove per layer: '0:0-127;3:5,9' or JSON.")
+@click.option("--layers", default=None, help="Whole blocks to remove: '3,5-7' or JSON [3, 5].")
+@click.option(
+    "--plan",
+    "plan_file",
+    default=None,
+    type=click.Path(path_type=Path),
+    help='The whole plan as JSON: {"heads": {"0": [1]}, "mlp": {"2": [0, 1]}, "layers": [3]}.',
+)
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
 @click.option("--allow-empty-layers", is_flag=True, help="Allow removing every head of a layer.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
-def prune(source: str, output: Path, heads: str, gguf_file: str | None, allow_empty_layers: bool, overwrite: bool):
-    """Remove HEADS from the model at SOURCE and save the smaller model to OUTPUT."""
-    from sinv_prune.surgery.checkpoint import from_pretrained
-    from sinv_prune.surgery.removal import prune_heads
+def prune(
+    source: str,
+    output: Path,
+    heads: str | None,
+    mlp: str | None,
+    layers: str | None,
+    plan_file: Path | None,
+    gguf_file: str | None,
+    allow_empty_layers: bool,
+    overwrite: bool,
+):
+    """Remove heads, MLP channels and/or whole layers from the model at SOURCE; save it to OUTPUT.
 
-    request = parse_heads(heads)
+    Every index is in the model's numbering now (as sinv-prune info shows it); heads and channels
+    are cut first, then blocks dropped, in one call of sinv_prune.prune.
+    """
+    from sinv_prune.surgery.checkpoint import from_pretrained
+    from sinv_prune.surgery.removal import prune as prune_plan
+
+    if plan_file is not None and (heads or mlp or layers):
+        raise UsageError("--plan holds the whole plan; do not combine it with --heads, --mlp or --layers")
+    if plan_file is not None:
+        request = read_plan(plan_file)
+    else:
+        request = {"heads": parse_heads(heads)} if heads else {}
+        if mlp:
+            request["mlp"] = parse_heads(mlp, "--mlp")
+        if layers:
+            request["layers"] = parse_layers(layers)
+    if not any(request.values()):
+        raise UsageError("nothing to remove: give --heads, --mlp, --layers or --plan FILE.json")
     if output.exists() and not overwrite:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     source = _model_source(source, gguf_file)
     try:
         model = from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
-        summary = prune_heads(model, request, allow_empty_layers=allow_empty_layers)
+        summary = prune_plan(model, request, allow_empty_layers=allow_empty_layers)
     except (OSError, ValueError) as err:
         # The library names its keyword argument; here the user typed a flag.
         raise UsageError(_one_line(err).replace("allow_empty_layers=True", "--allow-empty-layers")) from None
@@ -331,6 +475,7 @@ def _save_atomically(output: Path, overwrite: bool, write) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         write(tmp)
+        apply_umask(tmp)
         if output.exists() and overwrite:
             shutil.rmtree(output) if output.is_dir() else output.unlink()
         os.replace(tmp, output)

@@ -419,3 +419,32 @@ def test_bench_measures_baseline_and_device(capsys):
             module.main(["--device", "cuda", "--skip-overhead"])
         assert exc.value.code == 2
         assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_scripts_import_each_other_without_cycles():
+    """Every import of a sibling script (module level or inside a function) forms no cycle."""
+    import ast
+
+    names = {p.stem for p in SCRIPTS.glob("*.py")}
+    graph = {}
+    for path in SCRIPTS.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                deps.add(node.module.split(".")[0])
+        graph[path.stem] = (deps & names) - {path.stem}
+
+    def cycle_from(start, node, seen):
+        for dep in graph[node]:
+            if dep == start:
+                return [*seen, dep]
+            if dep not in seen:
+                found = cycle_from(start, dep, [*seen, dep])
+                if found:
+                    return found
+        return None
+
+    cycles = [c for name in sorted(graph) if (c := cycle_from(name, name, [name]))]
+    assert not cycles, f"scripts import each other in a cycle: {' -> '.join(cycles[0])}"

@@ -108,3 +108,69 @@ def test_info_of_an_unknown_arm_exits_2_naming_the_arms(run_dir):
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "taylor 2" in lines[0]
+
+
+def test_help_names_every_unit_and_command():
+    result = run("--help")
+    assert "attention heads, MLP channels and whole layers" in result.output
+    for command in ("prune", "info", "push", "align"):
+        assert f"sinv-prune {command} " in result.output
+    assert all(option in run("prune", "--help").output for option in ("--mlp", "--layers", "--plan"))
+
+
+def test_prune_takes_mlp_channels_and_layers(source, tmp_path):
+    src, model = source
+    result = run("prune", src, tmp_path / "out", "--heads", "0:1", "--mlp", "1:0-9,20", "--layers", "2")
+    assert result.exit_code == 0, result.output
+    reloaded = sinv_prune.from_pretrained(tmp_path / "out").eval()
+    sinv_prune.prune(model, {"heads": {0: [1]}, "mlp": {1: [*range(10), 20]}, "layers": [2]})
+    torch.testing.assert_close(model_output(reloaded, model_inputs()), model_output(model, model_inputs()))
+    assert reloaded.config.n_layer == 2
+
+
+def test_prune_takes_a_plan_file(source, tmp_path):
+    src, model = source
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"mlp": {"0": [3, 4]}, "layers": [1]}))
+    result = run("prune", src, tmp_path / "out", "--plan", plan)
+    assert result.exit_code == 0, result.output
+    sinv_prune.prune(model, {"mlp": {0: [3, 4]}, "layers": [1]})
+    reloaded = sinv_prune.from_pretrained(tmp_path / "out").eval()
+    torch.testing.assert_close(model_output(reloaded, model_inputs()), model_output(model, model_inputs()))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "nothing to remove"),
+        (("--layers", "x"), "--layers: cannot parse"),
+        (("--mlp", "0-3"), "--mlp: cannot parse"),
+        (("--layers", "0,1,2"), "at least one must stay"),
+        (("--plan", "PLAN", "--heads", "0:1"), "do not combine"),
+        (("--plan", "PLAN"), "unknown keys ['head']"),
+        (("--plan", "MISSING"), "--plan: cannot read"),
+    ],
+)
+def test_bad_plans_exit_2_and_leave_nothing(source, tmp_path, args, message):
+    src, _ = source
+    (tmp_path / "plan.json").write_text(json.dumps({"head": {"0": [1]}}))
+    args = [{"PLAN": tmp_path / "plan.json", "MISSING": tmp_path / "none.json"}.get(a, a) for a in args]
+    result = run("prune", src, tmp_path / "out", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert result.output.strip().splitlines()[-1].startswith("error:")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_diverged_training_stops_the_run_with_one_line(tmp_path, monkeypatch):
+    from sinv_prune.pipeline import stages
+
+    def diverge(*args, **kwargs):
+        raise FloatingPointError("ECD: the loss was NaN or infinite in 11 of 40 steps\n(more than 10)")
+
+    monkeypatch.setattr(stages, "run_recipe", diverge)
+    result = run("quickstart", "--output", tmp_path / "run", "--quiet")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        "error: ECD: the loss was NaN or infinite in 11 of 40 steps (more than 10)"
+    )

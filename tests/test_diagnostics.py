@@ -161,3 +161,34 @@ def test_diagnostics_on_a_real_callback_trace(tmp_path):
     assert [len(h) for h in summary["time_to_threshold"]["step"]] == [6, 3, 6]
     for f in plot_trace(path, tmp_path / "plots").values():
         _assert_png(f)
+
+
+def _far_trace(path):
+    """C_Q 0.65-0.85 throughout, as real models: no head near the 0.05 threshold."""
+    append_trace(path, {"event": "train_begin", "step": 0, "threshold": 0.05, "measures": ["C_Q"]})
+    for step in (0, 10, 20):
+        append_trace(path, {"step": step, "C_Q": [[0.65 + 0.01 * step / 10, 0.85], [0.7, 0.8]]})
+
+
+def test_heatmap_scale_spans_the_values_not_the_threshold(tmp_path):
+    from sinv_prune.scoring.diagnostics import heatmaps_figure
+
+    _far_trace(tmp_path / "t.jsonl")
+    fig = heatmaps_figure(tmp_path / "t.jsonl", n_times=3)
+    image = fig.axes[0].get_images()[0]
+    assert image.get_clim() == pytest.approx((0.65, 0.85))
+    last = fig.axes[3]  # after the three heatmaps: the time-to-threshold panel
+    assert not last.get_images() and not last.axison
+    assert "no head crossed" in " ".join(t.get_text() for t in last.texts)
+    assert "0.05" in " ".join(t.get_text() for t in last.texts)
+
+
+def test_time_to_threshold_panel_is_drawn_when_a_head_crossed(tmp_path):
+    from sinv_prune.scoring.diagnostics import heatmaps_figure
+
+    path = tmp_path / "t.jsonl"
+    _far_trace(path)
+    append_trace(path, {"step": 30, "C_Q": [[0.02, 0.85], [0.7, 0.8]]})
+    fig = heatmaps_figure(path, n_times=2)
+    panel = fig.axes[2]
+    assert panel.get_images() and not panel.texts

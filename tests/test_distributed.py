@@ -40,12 +40,21 @@ def saved_base(path: Path) -> Path:
     return path
 
 
-def torchrun(*args, cwd: Path) -> subprocess.CompletedProcess:
+def torchrun(*args, cwd: Path, guard: Path | None = None) -> subprocess.CompletedProcess:
+    """``sinv-prune ARGS`` in two processes; with ``guard``, the non-main one may not write under it
+    (``tests/rank_guard.py``: any write there fails the launch)."""
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    entry = [str(REPO / "tests" / "rank_guard.py"), str(guard)] if guard else ["-m", "sinv_prune.cli"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "sinv_prune.cli", *map(str, args)]  # fmt: skip
+               *entry, *map(str, args)]  # fmt: skip
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def failure(launched: subprocess.CompletedProcess) -> str:
+    """A failed launch's story: a non-main rank's refused write first (rank_guard.py), then the tails."""
+    refused = [line for line in launched.stderr.splitlines() if "is not the main process but wrote" in line]
+    return "\n".join(refused[:3]) + "\n" + launched.stdout[-2000:] + launched.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +71,8 @@ def runs(tmp_path_factory):
     recipe = recipe_file(tmp, data)
     single = invoke(recipe, "--output", tmp / "one", "--quiet", "--threads", 1)
     assert single.exit_code == 0, single.output
-    launched = torchrun(recipe, "--output", tmp / "two", "--threads", 1, cwd=tmp)
-    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    launched = torchrun(recipe, "--output", tmp / "two", "--threads", 1, cwd=tmp, guard=tmp / "two")
+    assert launched.returncode == 0, failure(launched)
     return tmp, launched
 
 
@@ -117,8 +126,8 @@ def test_resume_under_torchrun_finishes_an_interrupted_finetune(runs):
     (out / "results.json").unlink()
     kept = (out / "arms" / "magnitude-2-global" / "finetuned" / "model.safetensors").stat().st_mtime_ns
 
-    launched = torchrun(tmp / "tiny.yaml", "--output", out, "--resume", "--threads", 1, "--quiet", cwd=tmp)
-    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    launched = torchrun(tmp / "tiny.yaml", "--output", out, "--resume", "--threads", 1, "--quiet", cwd=tmp, guard=out)
+    assert launched.returncode == 0, failure(launched)
     state = json.loads((out / "state.json").read_text())
     assert state["finished"] == ["train", "score", "prune", "finetune", "evaluate", "report"]
     assert state["arms"]["taylor-2-global"]["finetune"]["steps"] == 2

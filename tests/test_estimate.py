@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sinv_prune.pipeline.estimate import Probe, Timing, estimate_stages, format_seconds
@@ -101,3 +103,64 @@ def test_unit_and_mixed_arms_score_each_part_once_and_rescore_every_part():
     assert out["prune taylor-mlp-0.25-uniform"] == out["prune random-layers-1-global"] == one_shot
     assert out["prune mixed"] == pytest.approx(one_shot)
     assert {"finetune taylor-mlp-0.25-uniform", "finetune mixed", "finetune random-layers-1-global"} <= set(out)
+
+
+SMALL_RUN = {
+    "name": "estimate-check",
+    "seed": 0,
+    "model": {"architecture": "gpt2", "config": {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64}},
+    "data": {"synthetic": {"seed": 0, "num_train": 1500, "num_valid": 100, "num_test": 100},
+             "tokenizer": {"kind": "word"}, "seq_len": 64},
+    "train": {"max_steps": 60, "batch_size": 32, "learning_rate": 0.003},
+    "score": {"batches": 2, "batch_size": 8},
+    "prune": {"arms": [{"criterion": "magnitude", "amount": 2}, {"criterion": "taylor", "amount": 2}]},
+    "finetune": {"max_steps": 10, "batch_size": 32},
+    "evaluate": {"speed_repeats": 2, "speed_batch_size": 4},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_dry_run_estimate_is_within_1_5x_of_the_real_run(tmp_path, monkeypatch):
+    """The probe against the run it estimates, both here and now (so machine load hits both).
+
+    Before the probe sized the LM head by the trained tokenizer's vocabulary (444 words in the
+    synthetic corpus, not the 8,000 default) and took the faster of two calls per size, the
+    quickstart's estimate was 2.6x its run.
+    """
+    import time
+
+    from sinv_prune.pipeline import stages
+    from sinv_prune.pipeline.estimate import run_probe, run_vocab_size, split_tokens
+    from sinv_prune.pipeline.threads import recipe_threads
+
+    recipe = validate_recipe(SMALL_RUN)
+    with recipe_threads(recipe, "auto"):
+        probe = run_probe(recipe, "cpu")
+    estimated = {r.stage: r.seconds for r in estimate_stages(recipe, probe, split_tokens(recipe))}
+
+    measured: dict[str, float] = {}
+    for name in ("stage_train", "stage_finetune"):
+        real = getattr(stages, name)
+
+        def timed(run, _real=real, _name=name):
+            start = time.perf_counter()
+            _real(run)
+            measured[_name] = time.perf_counter() - start
+
+        monkeypatch.setattr(stages, name, timed)
+    start = time.perf_counter()
+    stages.run_recipe(recipe, tmp_path / "run", quiet=True)
+    measured["total"] = time.perf_counter() - start
+
+    tokenizer = json.loads((tmp_path / "run" / "tokenizer" / "tokenizer.json").read_text())
+    assert run_vocab_size(recipe) == len(tokenizer["model"]["vocab"])  # the LM head the run trains
+    finetune = sum(s for stage, s in estimated.items() if stage.startswith("finetune "))
+    pairs = {
+        "train": (estimated["train"], measured["stage_train"]),
+        "finetune": (finetune, measured["stage_finetune"]),
+        "total": (sum(estimated.values()), measured["total"]),
+    }
+    ratios = {k: est / real for k, (est, real) in pairs.items()}
+    assert all(1 / 1.5 <= r <= 1.5 for r in ratios.values()), {
+        k: (round(e, 1), round(m, 1)) for k, (e, m) in pairs.items()
+    }

@@ -488,6 +488,38 @@ def test_a_hub_error_quoting_the_token_does_not_leak_it(hub, run_dir, monkeypatc
     assert not leaked(token, result.output, caplog.text, run=run_dir.root)
 
 
+@pytest.mark.parametrize("token", [TOKEN, ODD])
+def test_debug_http_logs_do_not_leak_the_token(hub, run_dir, monkeypatch, caplog, token):
+    """At DEBUG, httpcore quotes response headers (the server's echo of the token) and HF_DEBUG
+    prints each request as a curl command: every record is scrubbed when it is made."""
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setattr(constants, "HF_DEBUG", True)
+    hub.fail_with, hub.fail_message = 403, "Forbidden: the request had Authorization: {authorization}"
+    caplog.set_level(logging.DEBUG)
+    for name in ("httpcore2", "httpx2", "httpcore", "httpx", "urllib3", "huggingface_hub", "sinv_prune"):
+        caplog.set_level(logging.DEBUG, logger=name)
+    result = CliRunner().invoke(main, ["push", str(run_dir.root / ARM), "--repo-id", "tester/target"])
+    assert result.exit_code == 2, result.output
+    assert "receive_response_headers" in caplog.text or "Request" in caplog.text, "no HTTP debug lines captured"
+    assert not leaked(token, result.output, caplog.text, run=run_dir.root)
+    assert logging.getLogRecordFactory() is logging.LogRecord  # the scrubber is gone after the push
+
+
+def test_a_token_lookup_error_is_scrubbed(monkeypatch):
+    secret = "hf_" + "Q7" * 17  # token-shaped, not the token in use
+    jwt = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ0ZXN0ZXIifQ.c2lnbmF0dXJl"
+
+    def fail():
+        raise RuntimeError(f"OIDC exchange of {jwt} failed; cached token {secret} expired")
+
+    monkeypatch.setattr(huggingface_hub, "get_token", fail)
+    with pytest.raises(PushError) as info:
+        hub_mod.resolve_token(None)
+    message = str(info.value)
+    assert message.startswith("could not get a Hugging Face token") and "***" in message
+    assert secret not in message and jwt not in message and "eyJ" not in message
+
+
 def test_an_upload_error_quoting_the_token_does_not_leak_it(hub, run_dir, tmp_path, monkeypatch, caplog,
                                                             worker_in_process):  # fmt: skip
     """The recipe's push stage: the upload client fails after the reload check, quoting the token."""
@@ -512,6 +544,7 @@ def test_an_upload_error_quoting_the_token_does_not_leak_it(hub, run_dir, tmp_pa
             stage_push(run, run_dir.results)
     finally:
         logging.getLogger("sinv_prune").removeHandler(handler)
+        logging.getLogger("transformers").removeHandler(handler)
         handler.close()
     message = str(info.value)
     assert message == f"push: push to tester/tiny-{ARM} failed: upload rejected for ***, Authorization: Bearer ***"

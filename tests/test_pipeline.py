@@ -150,11 +150,10 @@ def test_arms_report_their_layout(finished_run):
     out, _ = finished_run
     results = json.loads((out / "results.json").read_text())
     assert [a["layout"] for a in results["arms"]] == ["q_per_group"] * len(results["arms"])  # the default
+    assert results["run"]["gqa"] is False  # GPT-2: every layout is the same cut, so report.md has no column
     lines = (out / "report.md").read_text().splitlines()
     header = next(line for line in lines if line.startswith("| arm "))
-    column = [c.strip() for c in header.split("|")].index("layout")
-    rows = [[c.strip() for c in line.split("|")] for line in lines if line.startswith("| ") and "-global" in line]
-    assert len(rows) == len(results["arms"]) and all(r[column] == "q_per_group" for r in rows)
+    assert "layout" not in [c.strip() for c in header.split("|")]
 
 
 def test_arms_report_what_they_removed(finished_run):

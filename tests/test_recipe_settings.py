@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
+import warnings
 
 import pytest
 import torch
 import transformers
 import yaml
-from conftest import model_inputs, model_output, reload_in_fresh_process
+from conftest import model_inputs, model_output, reload_in_fresh_process, tiny_model
 from safetensors import safe_open
 from test_pipeline import TINY, StopAfterFirstSave, invoke, recipe_file
 from transformers import TrainerCallback
@@ -20,7 +22,7 @@ from sinv_prune.pipeline import estimate
 from sinv_prune.pipeline import stages as pipeline
 from sinv_prune.pipeline.model_settings import default_target_modules, input_device, load_kwargs, unloadable_reason
 from sinv_prune.pipeline.preflight import build_model
-from sinv_prune.pipeline.recipe import recipe_to_yaml, validate_recipe
+from sinv_prune.pipeline.recipe import RecipeError, recipe_to_yaml, validate_recipe
 from sinv_prune.pipeline.training import run_trainer
 
 LLAMA = dict(
@@ -304,3 +306,37 @@ def test_cpu_offload_next_to_a_gpu_is_refused_by_surgery_not_crashed(pretrained)
     assert reason is not None and "meta device" in reason
     with pytest.raises(ValueError, match="meta device"):
         sinv_prune.prune_heads(model, {1: [0, 2]})
+
+
+def test_attn_implementation_is_checked_through_public_apis():
+    """The check builds the model on the meta device with the implementation; no private transformers method."""
+    from sinv_prune.pipeline import model_settings
+
+    model = build_model(validate_recipe(TINY), vocab_size=50)
+    source = inspect.getsource(model_settings)
+    assert "_check_and_adjust_attn_implementation" not in source
+    model_settings.check_attn_implementation(model, "sdpa")
+    model_settings.check_attn_implementation(model, "eager")
+    with pytest.raises(RecipeError, match='model.attn_implementation: .*"fast"'):
+        model_settings.check_attn_implementation(model, "fast")
+    assert model.config._attn_implementation != "fast"  # the model's own config is untouched
+
+
+def test_lora_wrapping_is_quiet_and_checkpointed_blocks_still_train():
+    """peft's read of the deprecated ``is_gradient_checkpointing`` warns no user; with non-reentrant
+    activation checkpointing enabled afterwards (as the Trainer does) the LoRA weights get gradients."""
+    from sinv_prune.pipeline.model_settings import wrap_lora
+    from sinv_prune.pipeline.recipe import LoraSpec
+
+    model = tiny_model("llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = wrap_lora(model, LoraSpec(r=2, alpha=4))
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    wrapped.train()
+    model.activation_checkpointing_enable()
+    assert model.is_activation_checkpointing
+    ids = torch.randint(0, 64, (2, 8))
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    grads = [p.grad for n, p in wrapped.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads[1::2])  # lora_B: nonzero from step 1

@@ -8,8 +8,6 @@ from types import SimpleNamespace
 import matplotlib.pyplot as plt
 import pytest
 from conftest import tiny_model
-from matplotlib.collections import PathCollection
-from matplotlib.lines import Line2D
 
 from sinv_prune.pipeline import evaluation
 from sinv_prune.pipeline.report import SPEED_COLUMN, markdown_report, perplexity_vs_params_figure, summary_rows
@@ -80,43 +78,39 @@ def figure():
         plt.close(fig)
 
 
-def plotted_points(ax) -> list[tuple[float, float]]:
-    """Every drawn marker, in display coordinates (after each collection's own offset transform)."""
-    points = []
-    for coll in ax.collections:
-        offsets = coll.get_offsets()
-        if len(offsets):
-            points += [tuple(round(v, 1) for v in p) for p in coll.get_offset_transform().transform(offsets)]
-    return points
-
-
-def test_every_arm_is_visible_even_at_the_same_point(figure):
+def test_arms_are_columns_and_one_size_is_said_once(figure):
+    """Equal-size arms used to spread sideways on a parameter axis and look like different sizes."""
     results = results_with([("a-2", None), ("b-2", None), ("c-2", None)])  # identical params and perplexity
     results["arms"][0]["finetuned"] = {"params": 900, "perplexity": 20.5}
     ax = figure(results)
-    points = plotted_points(ax)
-    assert len(points) == 1 + 3 + 1  # baseline, three pruned arms, one fine-tuned
-    assert len(set(points)) == len(points)  # none drawn on top of another
-    true_x, pruned_y = (round(v, 1) for v in ax.transData.transform((900, 21.0)))
-    pruned_x = sorted(x for x, y in points if y == pruned_y)
-    assert len(pruned_x) == 3 and all(b - a >= 5 for a, b in itertools.pairwise(pruned_x))  # pixels apart
-    assert pruned_x[1] == true_x  # centred on the true parameter count
-    legend = ax.get_legend()
-    assert [t.get_text() for t in legend.get_texts()] == [
-        "baseline", "a-2", "b-2", "c-2", "open: after pruning", "filled: after fine-tuning"]  # fmt: skip
-    assert not any(isinstance(h, Line2D) for h in legend.legend_handles)
-    assert all(isinstance(h, PathCollection) for h in legend.legend_handles)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["baseline", "a-2", "b-2", "c-2"]
+    assert ax.get_title() == "every arm keeps 900 parameters (90.0% of the baseline's 1,000)"
+    xs = [p[0] for coll in ax.collections for p in coll.get_offsets()]
+    assert sorted(xs) == [0, 1, 1, 2, 3]  # baseline, a pruned + fine-tuned, b, c: each arm its own column
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["after pruning", "after fine-tuning"]
     assert not ax.get_lines()  # markers only, no connecting lines
 
 
-def test_arms_at_different_sizes_are_not_shifted(figure):
+def test_arms_of_different_sizes_name_their_size(figure):
     results = results_with([("a-2", None), ("b-2", None)])
     results["arms"][1]["pruned"] = {"params": 800, "perplexity": 21.0}
     ax = figure(results)
-    drawn = sorted(plotted_points(ax))
-    expected = sorted(tuple(round(v, 1) for v in ax.transData.transform((x, y))) for x, y in
-                      [(1000, 20.0), (900, 21.0), (800, 21.0)])  # fmt: skip
-    assert drawn == expected
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["baseline", "a-2\n900 (90.0%)", "b-2\n800 (80.0%)"]
+    assert ax.get_title() == ""
+
+
+def test_seeds_of_one_arm_share_a_column_with_their_range(figure):
+    results = results_with([("random-2-s0", None), ("random-2-s1", None), ("magnitude-2", None)])
+    for i, (arm, ppl) in enumerate(zip(results["arms"], (21.0, 23.0, 22.0), strict=True)):
+        arm.update(criterion=arm["name"].split("-")[0], amount=2, seed=i if i < 2 else 0)
+        arm["pruned"]["perplexity"] = ppl
+    ax = figure(results)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["baseline", "random-2\n2 seeds", "magnitude-2"]
+    means = sorted((p[0], p[1]) for coll in ax.collections for p in coll.get_offsets() if p[0] > 0)
+    assert means == [(1, 22.0), (2, 22.0)]
+    ((segment,),) = [c.get_segments() for c in ax.collections if hasattr(c, "get_segments") and c.get_segments()]
+    assert segment[:, 1].tolist() == [21.0, 23.0]
 
 
 @pytest.mark.parametrize("ppls", [(20.0, 21.4), (5.0, 400.0)])
@@ -124,7 +118,7 @@ def test_tick_labels_are_plain_numbers(figure, ppls):
     results = results_with([("a-2", None)])
     results["baseline"]["perplexity"], results["arms"][0]["pruned"]["perplexity"] = ppls
     ax = figure(results)
-    labels = [t.get_text() for t in ax.get_yticklabels(which="both") + ax.get_xticklabels(which="both")]
+    labels = [t.get_text() for t in ax.get_yticklabels(which="both")]
     labels = [t for t in labels if t]
     assert labels and all(t.replace(",", "").replace(".", "").isdigit() for t in labels), labels
 

@@ -217,3 +217,20 @@ def test_failure_part_way_leaves_the_model_unchanged(monkeypatch, arch, fail, pr
         ref = masked(model, arch, {0: group, 2: group})
         sinv_prune.prune_heads(model, {0: group, 2: group})
         close(model_output(model, inputs), model_output(ref, inputs))
+
+
+def test_the_remote_code_route_warning_comes_once_per_model(caplog):
+    """Uneven cuts of a LLaMA model keep to remote code; saying so at every prune of it is noise."""
+    from conftest import tiny_model
+
+    import sinv_prune
+
+    model = tiny_model("llama", num_attention_heads=6, num_key_value_heads=6)
+    with caplog.at_level("WARNING", logger="sinv_prune"):
+        sinv_prune.prune_heads(model, {0: [1]})
+        sinv_prune.prune_heads(model, {1: [2]})
+        sinv_prune.prune_heads(model, {0: [0]})
+        other = tiny_model("llama", num_attention_heads=6, num_key_value_heads=6)
+        sinv_prune.prune_heads(other, {2: [3]})
+    warned = [r.getMessage() for r in caplog.records if "different head counts" in r.getMessage()]
+    assert len(warned) == 2, warned  # one per model

@@ -223,6 +223,48 @@ def test_ecd_warns_once_when_the_loss_is_at_or_below_F0(caplog):  # noqa: N802
     assert run(F0=0.0) == []
 
 
+def test_ecd_counts_nonfinite_losses_warns_once_and_stops_past_the_limit(caplog):
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = ECD([p], F0=0.0, max_nonfinite_steps=3)
+    bad = iter([False, True, True, False, True, True])  # NaN at steps 2, 3, 5, 6
+
+    def closure():
+        opt.zero_grad()
+        loss = (p**2).sum() * (float("nan") if next(bad) else 1.0)
+        loss.backward()
+        return loss.detach()
+
+    with caplog.at_level("WARNING", logger="sinv_prune"):
+        opt.step(closure)
+        moved = p.detach().clone()
+        opt.step(closure)
+        opt.step(closure)
+        assert torch.equal(p.detach(), moved) and torch.isfinite(opt.state[p]["momentum"]).all()
+        opt.step(closure)
+        opt.step(closure)
+        assert opt.nonfinite_steps == 3
+        with pytest.raises(FloatingPointError, match=r"NaN or infinite in 4 of 6 steps .*max_nonfinite_steps=3"):
+            opt.step(closure)
+    warned = [r.getMessage() for r in caplog.records if r.name == "sinv_prune.symmetry.ecd"]
+    assert len(warned) == 1 and "skipped step 2: the loss is nan" in warned[0]
+
+
+def test_ecd_first_nan_step_leaves_no_nan_momentum():
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = ECD([p], F0=0.0)
+    nan = [True]  # the first loss only
+
+    def closure():
+        opt.zero_grad()
+        loss = (p**2).sum() * (float("nan") if nan and nan.pop() else 1.0)
+        loss.backward()
+        return loss.detach()
+
+    opt.step(closure)  # NaN: gradient NaN too, must not become the momentum
+    opt.step(closure)
+    assert torch.isfinite(p).all() and not torch.equal(p.detach(), torch.tensor([1.0, 2.0]))
+
+
 def test_ecd_needs_closure_stops_at_F0_and_seeds_its_noise():  # noqa: N802
     p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     opt = ECD([p], F0=10.0)

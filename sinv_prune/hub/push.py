@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import json
 import logging
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from sinv_prune import strict_json
 from sinv_prune.version import __version__
 
 logger = logging.getLogger("sinv_prune")
@@ -82,6 +84,51 @@ class PushSource:
 # -- the push ----------------------------------------------------------------------------------
 
 
+def _scrubbing_logs(push):
+    """Run ``push`` with every log record scrubbed of the token (see :func:`scrubbed_logs`)."""
+
+    @functools.wraps(push)
+    def wrapper(*args, **kwargs):
+        try:
+            token = resolve_token(kwargs.get("token"))
+        except PushError:
+            token = None  # push_pruned raises it in its place; token-shaped strings are still scrubbed
+        with scrubbed_logs(token):
+            return push(*args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def scrubbed_logs(token: str | None):
+    """Scrub ``token`` (and anything shaped like a Hub token or a ``Bearer`` value) from every log
+    record made meanwhile, by any logger, at any level.
+
+    At DEBUG level the HTTP stack logs what it sends and receives (httpcore quotes response
+    headers verbatim; ``HF_DEBUG`` prints each request as a curl command), so a server echoing
+    the token would put it in the console or ``run.log``. The scrub happens when the record is
+    made (a log record factory), before any handler, filter or ``caplog`` sees it; the exception
+    text of ``logger.exception`` records is formatted and scrubbed then too.
+    """
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = previous(*args, **kwargs)
+        message = record.getMessage()
+        record.msg, record.args = _scrub(message, token), ()
+        if record.exc_info:
+            record.exc_text = _scrub(logging.Formatter().formatException(record.exc_info), token)
+            record.exc_info = None
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        yield
+    finally:
+        logging.setLogRecordFactory(previous)
+
+
+@_scrubbing_logs
 def push_pruned(
     model_dir: str | os.PathLike,
     repo_id: str,
@@ -192,7 +239,7 @@ def resolve_token(token: str | None = None) -> str:
     try:
         found = get_token()
     except Exception as err:  # e.g. a failed OIDC exchange
-        raise PushError(f"could not get a Hugging Face token: {_one_line(err)}") from None
+        raise PushError(_scrub(f"could not get a Hugging Face token: {_one_line(err)}", None)) from None
     if not found:
         raise PushError(NO_TOKEN)
     return found
@@ -437,7 +484,7 @@ def _fresh_outputs(model_dir: Path, route: str, cls: str, ids: torch.Tensor, *, 
         job = {"route": route, "class": cls, "dir": str(model_dir.resolve()), "ids": ids.tolist(),
                "out": str(Path(tmp) / "out.pt")}  # fmt: skip
         job_file = Path(tmp) / "job.json"
-        job_file.write_text(json.dumps(job))
+        job_file.write_text(strict_json.dumps(job))
         env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
         package_root = str(Path(importlib.import_module("sinv_prune").__file__).resolve().parents[1])
         env.update(
@@ -628,7 +675,10 @@ def _chain(err: BaseException):
         err = err.__cause__ or err.__context__
 
 
-_TOKEN_LIKE = re.compile(r"\b(hf_[A-Za-z0-9]{8,}|api_org_[A-Za-z0-9]{8,})\b")
+# Hub user and org tokens, and JSON web tokens (what an OIDC exchange for a Hub token handles).
+_TOKEN_LIKE = re.compile(
+    r"\b(hf_[A-Za-z0-9]{8,}|api_org_[A-Za-z0-9]{8,}|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)"
+)
 _BEARER = re.compile(r"(?i)(bearer\s+)\S+")
 
 

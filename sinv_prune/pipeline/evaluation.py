@@ -56,9 +56,11 @@ def _vocab_size(model: nn.Module) -> int:
 
 
 def _progress(total: int, desc: str, enabled: bool, unit: str):
+    """A bar that disappears when done (``leave=False``): a run evaluates many models, and each finished
+    one leaves its result line in the log instead of a full bar."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True, leave=False)
 
 
 class _EvalMode:

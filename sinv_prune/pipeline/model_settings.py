@@ -9,6 +9,7 @@ back (:func:`merge_lora`) before the model is saved: the checkpoint stays a plai
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -78,16 +79,28 @@ def check_model_settings(recipe: Recipe, model: nn.Module) -> None:
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise RecipeError(f"model.device_map: {device} is not here ({torch.cuda.device_count()} CUDA devices)")
     if spec.attn_implementation is not None:
-        try:
-            model._check_and_adjust_attn_implementation(spec.attn_implementation, is_init_check=True)
-        except (ImportError, ValueError) as err:
-            raise RecipeError(f"model.attn_implementation: {_first_line(err)}") from None
+        check_attn_implementation(model, spec.attn_implementation)
     lora = recipe.finetune.lora if recipe.finetune is not None else None
     if lora is not None and lora.target_modules is not None:
         names = [name for name, _ in model.named_modules()]
         for i, target in enumerate(lora.target_modules):
             if not any(name == target or name.endswith("." + target) for name in names):
                 raise RecipeError(f"finetune.lora.target_modules[{i}]: the model has no module {target!r}")
+
+
+def check_attn_implementation(model: nn.Module, name: str) -> None:
+    """``RecipeError`` when ``model``'s class cannot use attention ``name`` (unknown, or its package missing).
+
+    Through public APIs only: the model is built again on the meta device from a copy of its config
+    with ``attn_implementation=name`` (``PreTrainedConfig.from_dict``), and the model's constructor
+    checks the implementation as it does for ``from_pretrained(..., attn_implementation=name)``.
+    """
+    config = type(model.config).from_dict(model.config.to_dict(), attn_implementation=name)
+    try:
+        with torch.device("meta"):
+            type(model)(config)
+    except (ImportError, ValueError) as err:
+        raise RecipeError(f"model.attn_implementation: {_first_line(err)}") from None
 
 
 def _map_devices(device_map) -> list[torch.device]:
@@ -122,7 +135,12 @@ def wrap_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
 
     targets = spec.target_modules or default_target_modules(model)
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets)
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning in 5.x) to decide
+        # whether to make the input embeddings require grads; checkpointing is enabled later, by the Trainer,
+        # and is non-reentrant, so the answer (False) is right and the warning is noise for our users.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

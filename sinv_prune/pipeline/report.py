@@ -8,6 +8,7 @@ from pathlib import Path
 from sinv_prune.pipeline.recipe import Recipe
 from sinv_prune.pipeline.report_tasks import generation_lines, plot_accuracy_vs_params, task_lines
 from sinv_prune.pipeline.rundir import write_json, write_text
+from sinv_prune.strict_json import with_null_reasons
 
 logger = logging.getLogger("sinv_prune")
 
@@ -26,17 +27,26 @@ def write_report(root: Path, results: dict, recipe: Recipe, *, plots: bool = Tru
             figures += [Path(p) for p in plot_trace(trace, root / "plots").values()]
             results["trace_summary"] = summarize_trace(trace)
     results["plots"] = [str(p.relative_to(root)) for p in figures]
-    write_json(root / "results.json", results)
+    write_json(root / "results.json", with_null_reasons(results))
     write_text(root / "report.md", markdown_report(results, recipe))
 
 
 def summary_rows(results: dict) -> list[dict]:
-    """Rows for the summary table and report.md: baseline first, then each arm."""
+    """Rows for the summary table and report.md: baseline first, then each arm.
+
+    The ``layout`` column (how a GQA layer loses heads) is there only when the model has GQA
+    (``results["run"]["gqa"]``; results written before it was recorded keep the column) and some
+    arm removes heads: elsewhere every layout is the same cut.
+    """
     base = results["baseline"]
     rows = [_row("baseline", "-", None, base, None, base)]
     for arm in results["arms"]:
         row = _row(arm["name"], arm["criterion"], removed_text(arm), arm["pruned"], arm.get("finetuned"), base)
         rows.append(row | {"layout": arm.get("layout")})
+    gqa = results.get("run", {}).get("gqa", True)
+    if not gqa or all(row["layout"] is None for row in rows):
+        for row in rows:
+            del row["layout"]
     return rows
 
 
@@ -215,6 +225,19 @@ def _short(summary: dict) -> str:
     return "\n".join(f"{k}: {summary[k]}" for k in keys if k in summary)
 
 
+def plain_table(rows: list[dict]) -> str:
+    """``rows`` as aligned text columns, every cell in full (for logs and pipes, where rich would truncate)."""
+    cells = [list(rows[0])] + [[format_cell(v) for v in row.values()] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    left = [key in ("arm", "criterion", "layout", "removed") for key in rows[0]]
+    lines = []
+    for n, line in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if lf else c.rjust(w) for c, w, lf in zip(line, widths, left, strict=True)))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
 def format_cell(value) -> str:
     if value is None:
         return "-"
@@ -223,9 +246,6 @@ def format_cell(value) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
-
-
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
 
 
 def plot_perplexity_vs_params(results: dict, path: Path) -> Path:
@@ -243,74 +263,89 @@ def plot_perplexity_vs_params(results: dict, path: Path) -> Path:
 
 
 def perplexity_vs_params_figure(results: dict):
-    """Perplexity against parameter count: one marker per arm, open after pruning, filled after fine-tuning.
+    """Perplexity per arm: the baseline and one column per arm, open marker after pruning, filled after
+    fine-tuning.
 
-    Arms at (nearly) the same parameter count are spread sideways by a few points on screen,
-    in their order in the recipe, so none hides another; their data coordinates stay exact.
+    Arms are categories, not positions on a parameter axis: arms of one size spread along a
+    parameter axis (ticks 220,000 / 224,000) looked like different sizes. The parameter count is
+    said once in the title when every arm has the same; otherwise under each arm's name. Arms that
+    differ only by their seed share a column: the marker is their mean, the bar their range.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.transforms import offset_copy
 
-    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
     base = results["baseline"]
-    ax.scatter([base["params"]], [base["perplexity"]], marker="*", s=180, color="black", label="baseline", zorder=3)
-    arms = results["arms"]
-    offsets = _dodge([a["pruned"]["params"] for a in arms], base["params"])
-    for i, (arm, dx) in enumerate(zip(arms, offsets, strict=True)):
-        color, marker = f"C{i % 10}", MARKERS[i % len(MARKERS)]
-        shifted = offset_copy(ax.transData, fig=fig, x=dx, units="points")
-        pruned, tuned = arm["pruned"], arm.get("finetuned")
-        ax.scatter([pruned["params"]], [pruned["perplexity"]], marker=marker, s=50, facecolors="white",
-                   edgecolors=color, linewidths=1.5, transform=shifted, zorder=3)  # fmt: skip
-        if tuned:
-            ax.scatter([tuned["params"]], [tuned["perplexity"]], marker=marker, s=50, color=color,
-                       transform=shifted, zorder=4)  # fmt: skip
-        ax.scatter([], [], marker=marker, s=50, color=color, label=arm["name"])  # the legend entry
-        ax.update_datalim([(m["params"], m["perplexity"]) for m in (pruned, tuned) if m])  # shifted points don't
-    ax.scatter([], [], marker="o", s=50, facecolors="white", edgecolors="gray", label="open: after pruning")
-    if any(a.get("finetuned") for a in arms):
-        ax.scatter([], [], marker="o", s=50, color="gray", label="filled: after fine-tuning")
-    ppls = [base["perplexity"]] + [a[k]["perplexity"] for a in arms for k in ("pruned", "finetuned") if a.get(k)]
-    _plain_axes(ax, ppls)
-    spread = " (arms with equal counts spread sideways)" if any(offsets) else ""
-    ax.set_xlabel("parameters" + spread)
+    groups = _seed_groups(results["arms"])
+    sizes = {a.get("params", a["pruned"]["params"]) for a in results["arms"]}
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * (len(groups) + 1) + 2.5), 4.4), dpi=120)
+    ax.scatter([0], [base["perplexity"]], marker="*", s=180, color="black", zorder=3)
+    labels = ["baseline"]
+    ppls = [base["perplexity"]]
+    for x, (name, arms) in enumerate(groups, start=1):
+        color = f"C{(x - 1) % 10}"
+        for stage, filled in (("pruned", False), ("finetuned", True)):
+            values = [a[stage]["perplexity"] for a in arms if a.get(stage) and a[stage]["perplexity"] is not None]
+            if not values:
+                continue
+            ppls += values
+            mean = sum(values) / len(values)
+            style = {"color": color} if filled else {"facecolors": "white", "edgecolors": color, "linewidths": 1.5}
+            ax.scatter([x], [mean], marker="o", s=50, zorder=4 if filled else 3, **style)
+            if len(values) > 1:
+                ax.vlines(x, min(values), max(values), color=color, linewidth=1.2, zorder=2)
+        final = arms[0].get("params", arms[0]["pruned"]["params"])
+        seeds = f"\n{len(arms)} seeds" if len(arms) > 1 else ""
+        size = "" if len(sizes) == 1 else f"\n{final:,} ({100 * final / base['params']:.1f}%)"
+        labels.append(name + seeds + size)
+    ax.set_xticks(range(len(labels)), labels, rotation=30 if len(labels) > 4 else 0, ha="right" if
+                  len(labels) > 4 else "center", fontsize=7)  # fmt: skip
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+    _plain_y(ax, ppls)
+    (size,) = sizes if len(sizes) == 1 else (None,)
+    if size is not None:
+        ax.set_title(f"every arm keeps {size:,} parameters ({100 * size / base['params']:.1f}% of the baseline's "
+                     f"{base['params']:,})", fontsize=8)  # fmt: skip
+    ax.scatter([], [], marker="o", s=50, facecolors="white", edgecolors="gray", label="after pruning")
+    if any(a.get("finetuned") for a in results["arms"]):
+        ax.scatter([], [], marker="o", s=50, color="gray", label="after fine-tuning")
+    if any(len(arms) > 1 for _, arms in groups):
+        ax.vlines([], [], [], color="gray", label="range over seeds")
     ax.set_ylabel("perplexity (lower is better)")
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
     return fig
 
 
-def _dodge(xs: list[float], baseline: float, step: float = 9.0) -> list[float]:
-    """Sideways offsets in points: arms within 1% of the x span of each other share a centred row."""
-    span = (max([*xs, baseline]) - min([*xs, baseline])) or max(abs(baseline), 1.0)
-    groups: list[list[int]] = []
-    for i, x in enumerate(xs):
-        for group in groups:
-            if abs(xs[group[0]] - x) <= 0.01 * span:
-                group.append(i)
-                break
-        else:
-            groups.append([i])
-    offsets = [0.0] * len(xs)
-    for group in groups:
-        for j, i in enumerate(group):
-            offsets[i] = (j - (len(group) - 1) / 2) * step
-    return offsets
+def _seed_groups(arms: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Arms in recipe order, those that differ only by ``seed`` (and name) together: ``[(name, arms)]``."""
+    groups: dict[str, tuple[str, list[dict]]] = {}
+    for arm in arms:
+        same = {k: v for k, v in arm.items() if k in ("criterion", "unit", "amount", "mode", "layout", "options",
+                                                     "parts", "compensate", "rounds")}  # fmt: skip
+        key = repr(sorted(same.items())) if arm.get("seed") is not None else arm["name"]
+        groups.setdefault(key, (arm["name"], []))[1].append(arm)
+    return [(name if len(members) == 1 else _common_name(members), members) for name, members in groups.values()]
 
 
-def _plain_axes(ax, perplexities: list[float]) -> None:
+def _common_name(arms: list[dict]) -> str:
+    """The arms' names without the seed: their longest common prefix (less a trailing ``-seed`` / ``-s``)."""
+    import os
+    import re
+
+    prefix = re.sub(r"[-_ ]*(seed|s)?$", "", os.path.commonprefix([a["name"] for a in arms]))
+    return prefix or arms[0]["name"]
+
+
+def _plain_y(ax, perplexities: list[float]) -> None:
     """Plain-number tick labels; a log y axis only when perplexities span more than a factor of 3."""
-    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     if max(perplexities) > 3 * min(perplexities):
         ax.set_yscale("log")
         ax.yaxis.set_minor_formatter(NullFormatter())
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.margins(x=0.1, y=0.08)
+    ax.margins(y=0.08)
     ax.autoscale_view()

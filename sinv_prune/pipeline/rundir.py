@@ -10,14 +10,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sinv_prune import strict_json
+from sinv_prune.filemodes import apply_umask
+
 
 class RunDirError(ValueError):
     """The output directory cannot be used as asked (exists, or nothing to resume)."""
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically: a temp file in the same directory, then ``os.replace``."""
-    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+    """Write strict JSON atomically: a temp file in the same directory, then ``os.replace``.
+
+    ``allow_nan=False``: NaN or infinity raise ``ValueError`` instead of writing ``NaN`` /
+    ``Infinity``, which strict parsers (``jq``, JavaScript, ``json.loads(parse_constant=...)``) reject;
+    callers turn such values into ``null`` with a reason first.
+    """
+    write_text(path, strict_json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def write_text(path: Path, text: str) -> None:
@@ -26,6 +34,7 @@ def write_text(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        apply_umask(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -38,6 +47,7 @@ def write_dir(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         write(tmp)
+        apply_umask(tmp)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -53,10 +53,14 @@ from sinv_prune.pipeline.threads import parse_threads, recipe_threads
 from sinv_prune.pipeline.training import remove_checkpoints, run_trainer
 from sinv_prune.scoring.criteria import Criterion, StoredScores, criterion_class, get_criterion
 from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
+from sinv_prune.strict_json import with_null_reasons
 from sinv_prune.surgery.checkpoint import from_pretrained
 from sinv_prune.surgery.removal import count_parameters
 
 logger = logging.getLogger("sinv_prune")
+#: ``extra=`` of the log lines the console shows at default verbosity (one per finished stage or arm);
+#: every other INFO line goes to ``run.log`` only (``sinv-prune -v`` shows them too).
+CONSOLE = {"console": True}
 
 
 @dataclass
@@ -112,7 +116,7 @@ def run_recipe(
         stack.enter_context(recipe_threads(recipe, threads))
         _on_main(run, lambda: write_text(run.root / "recipe.yaml", recipe_to_yaml(recipe)))
         logger.info("run %s in %s on %s (resume=%s, processes=%d)", recipe.name, run.root, device, resume,
-                    ranks.world_size)  # fmt: skip
+                    ranks.world_size, extra=CONSOLE)  # fmt: skip
         prepare_data(run)
         stage_train(run)
         _on_main(run, lambda: stage_score(run))
@@ -151,6 +155,7 @@ def _main_logs_only(run: Run):
         yield
     finally:
         log.removeHandler(handler)
+        logging.getLogger("transformers").removeHandler(handler)
         handler.close()
 
 
@@ -198,7 +203,7 @@ def _prepare_data(run: Run) -> None:
         write_dir(tok_dir, run.tokenizer.save_pretrained)
     for split in corpus:
         run.ids[split] = data_mod.token_ids(corpus[split], run.tokenizer)
-    logger.info("data: %s", {k: int(v.numel()) for k, v in run.ids.items()})
+    logger.info("data: %s tokens", {k: int(v.numel()) for k, v in run.ids.items()}, extra=CONSOLE)
 
 
 def load_corpus(recipe: Recipe):
@@ -273,6 +278,8 @@ def stage_train(run: Run) -> None:
             resume=True,
         )
         run.dir.state["train"] = {"steps": out.global_step, "train_loss": out.training_loss}
+        logger.info("trained the base model: %d steps, train loss %.4f, %.0f s", out.global_step, out.training_loss,
+                    out.metrics.get("train_runtime", 0.0), extra=CONSOLE)  # fmt: skip
 
     def save() -> None:
         _save_model(model, run.tokenizer, base_dir)
@@ -392,8 +399,10 @@ def stage_score(run: Run) -> None:
         trace = run.root / "trace.jsonl" if crit.needs_trace else None
         scores = crit.compute(run.base, batches=batches, trace=trace)
         results[key] = {"scores": scores, "report": crit.report(), "seconds": time.perf_counter() - start}
-        logger.info("scored %s in %.1fs %s", key, results[key]["seconds"], crit.report() or "")
-    write_json(path, results)
+        logger.info("scored %s in %.1fs", key, results[key]["seconds"], extra=CONSOLE)
+        if crit.report():
+            logger.info("score report %s: %s", key, crit.report())
+    write_json(path, with_null_reasons(results))
     run.dir.finish("score")
 
 
@@ -492,7 +501,7 @@ def stage_prune(run: Run) -> None:
         if summary.compensation is not None:
             state["compensation"] = summary.compensation.to_dict()
         run.dir.save()
-        logger.info("arm %s: removed %s -> %s", arm.label, removed_text(state), path)
+        logger.info("arm %s: removed %s -> %s", arm.label, removed_text(state), path, extra=CONSOLE)
         if summary.compensation is not None:
             logger.info("arm %s: %s", arm.label, str(summary.compensation).splitlines()[0])
         del model, summary, calibration
@@ -561,6 +570,8 @@ def _save_finetuned(run: Run, model, arm_dir: Path, state: dict, out) -> None:
     _save_model(model, run.tokenizer, arm_dir / "finetuned")
     state.update(finetuned=True, finetuned_dir=str((arm_dir / "finetuned").relative_to(run.root)))
     state["finetune"] = {"steps": out.global_step, "train_loss": out.training_loss}
+    logger.info("arm %s: fine-tuned %d steps, train loss %.4f, %.0f s", arm_dir.name, out.global_step,
+                out.training_loss, out.metrics.get("train_runtime", 0.0), extra=CONSOLE)  # fmt: skip
     if spec.distill is not None:
         state["finetune"]["distill"] = spec.distill.model_dump()
     if spec.lora is not None:
@@ -639,7 +650,7 @@ def evaluate_model(run: Run, model, label: str, *, offload: bool = False) -> dic
             offload=offload,
         )
         out["speed"] = {**speed["b"], **speedup_fields(speed), **({"offload": True} if offload else {})}
-    logger.info("evaluated %s: ppl %.3f, %d params", label, out["perplexity"], out["params"])
+    logger.info("evaluated %s: ppl %.3f, %d params", label, out["perplexity"], out["params"], extra=CONSOLE)
     return out
 
 
@@ -695,12 +706,22 @@ def stage_evaluate(run: Run) -> dict:
         "eval_split": _eval_split(run),
         "task": "masked-lm" if run.mlm else "causal-lm",
         "train": run.dir.state.get("train"),
+        "gqa": _has_gqa(run.base),
     }
     if results["baseline"].get("lm_eval"):
         results["run"]["lm_eval"] = results["baseline"]["lm_eval"]
+    results = with_null_reasons(results)
     write_json(path, results)
     run.dir.finish("evaluate")
     return results
+
+
+def _has_gqa(model) -> bool:
+    """Whether some layer's KV heads serve several query heads (only then does an arm's ``layout`` matter)."""
+    from sinv_prune.arch import get_adapter
+
+    adapter = get_adapter(model)
+    return any(adapter.layout(i).group_size > 1 for i in range(adapter.num_layers))
 
 
 def _arm_fields(arm: ArmSpec) -> dict[str, Any]:
@@ -805,9 +826,12 @@ def _safe(label: str) -> str:
 
 
 def _log_to_file(path: Path) -> logging.Handler:
+    """``run.log``: every sinv_prune line (INFO up) and transformers' warnings (which the console leaves out
+    at default verbosity)."""
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("sinv_prune")
     root.setLevel(logging.INFO)
     root.addHandler(handler)
+    logging.getLogger("transformers").addHandler(handler)
     return handler

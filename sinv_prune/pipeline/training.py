@@ -7,12 +7,27 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import DataCollatorForLanguageModeling, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    DataCollatorForLanguageModeling,
+    PrinterCallback,
+    ProgressCallback,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 from transformers.trainer_utils import get_last_checkpoint
 
 from sinv_prune.pipeline.recipe import TrainSpec
 
 logger = logging.getLogger("sinv_prune")
+
+
+class BarOnly(ProgressCallback):
+    """The Trainer's progress bar without the metrics dict it prints at every log step: those go to
+    the run log (:class:`LogToLogger`), and to the console only at ``sinv-prune -v``."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
 
 
 class LogToLogger(TrainerCallback):
@@ -126,8 +141,9 @@ def run_trainer(
         callbacks=[LogToLogger(), *callbacks],
         **extra,
     )
-    if quiet:
-        trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(PrinterCallback)  # the metrics reach the run log through LogToLogger
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(BarOnly)
     last = get_last_checkpoint(str(output_dir)) if resume and Path(output_dir).is_dir() else None
     if last:
         logger.info("resuming training from %s", last)

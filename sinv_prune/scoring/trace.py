@@ -11,11 +11,16 @@ import json
 import os
 from pathlib import Path
 
+from sinv_prune import strict_json
+
 
 def append_trace(path: str | os.PathLike, record: dict) -> None:
-    """Append one JSON line and flush it to disk, so an interrupted run keeps its trace."""
+    """Append one JSON line and flush it to disk, so an interrupted run keeps its trace.
+
+    A NaN measure (non-finite weights) is written as ``null``, which the readers skip.
+    """
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(strict_json.dumps(strict_json.null_non_finite(record)[0]) + "\n")
         f.flush()
         os.fsync(f.fileno())
 

@@ -19,10 +19,12 @@ On both routes the config's layer count (``num_hidden_layers`` / ``n_layer``) an
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import sys
+import weakref
 
 import transformers
 from torch import nn
@@ -92,6 +94,10 @@ def class_by_name(name: str, module: str) -> type:
     return cls
 
 
+#: The stock-route refusals already logged, per model (weakly: a collected model drops its entry).
+_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: PruningRecord) -> None:
     """Choose the reload route after pruning and set class and config to match it."""
     from sinv_prune.surgery.record import set_record  # looked up at call time (tests inject failures there)
@@ -117,7 +123,8 @@ def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: P
             else:  # saved as null, auto_map would break AutoConfig; drop the attribute
                 vars(config).pop("auto_map", None)
     else:
-        if getattr(adapter, "stock_reload", False):
+        if getattr(adapter, "stock_reload", False) and stock_reason not in _WARNED.setdefault(model, set()):
+            _WARNED[model].add(stock_reason)  # once per model and reason, not at every prune of it
             logger.warning("sinv_prune: %s; the checkpoint reloads through trust_remote_code=True", stock_reason)
         _set_head_counts(adapter, config, record.num_heads, record.num_kv_heads, record.head_dim)
         _set_intermediate(adapter, config, record.intermediate_size)
@@ -197,7 +204,8 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, model_cls: type | Non
     cls = model_cls or model_class(config, record, gguf=bool(kwargs.get("gguf_file")))
     if record is not None and not record.stock_layout:
         cls = pruned_class(cls)
-    model = cls.from_pretrained(path, config=config, **kwargs)
+    with _gguf_bar_follows_transformers() if kwargs.get("gguf_file") else contextlib.nullcontext():
+        model = cls.from_pretrained(path, config=config, **kwargs)
     if kwargs.get("gguf_file"):
         _drop_gguf_quantizer(model)
         source = os.path.join(path, kwargs["gguf_file"])
@@ -205,6 +213,26 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, model_cls: type | Non
             model.sinv_gguf_source = os.path.abspath(source)
     restore_symmetry_breaking(model)  # eval after reload matches training-time biases
     return model
+
+
+@contextlib.contextmanager
+def _gguf_bar_follows_transformers():
+    """transformers' GGUF conversion bar uses plain ``tqdm`` and ignores its own
+    ``disable_progress_bar()``; make it follow that setting (a quiet run's log stays quiet)."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def model_class(config, record: PruningRecord | None, gguf: bool = False) -> type:

@@ -51,6 +51,11 @@ class ECD(Optimizer):
     noise reproducible; without it the noise comes from torch's global generator. ``lr`` and
     ``weight_decay`` may differ per parameter group (a scheduler may change ``lr``); ``eta``,
     ``F0``, ``nu`` and ``eps`` are global.
+
+    A step whose loss is NaN or infinite moves nothing (the momentum stays as it was); the
+    optimizer counts such steps in :attr:`nonfinite_steps`, warns at the first, and raises
+    ``FloatingPointError`` when there are more than ``max_nonfinite_steps`` (default 10), which
+    stops a training run with that message instead of letting it end on silently skipped steps.
     """
 
     #: Tells :class:`~sinv_prune.symmetry.ClosureTrainer` (and readers) that ``step`` needs the loss.
@@ -66,6 +71,7 @@ class ECD(Optimizer):
         weight_decay: float = 0.0,
         eps: float = 1e-10,
         seed: int | None = None,
+        max_nonfinite_steps: int = 10,
     ):
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -77,9 +83,14 @@ class ECD(Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if not math.isfinite(F0):
             raise ValueError(f"F0 must be finite, got {F0}")
+        if not (isinstance(max_nonfinite_steps, int) and max_nonfinite_steps >= 0):
+            raise ValueError(f"max_nonfinite_steps must be an integer >= 0, got {max_nonfinite_steps!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, eta=eta, F0=F0, nu=nu, eps=eps)
         super().__init__(params, defaults)
         self.seed = seed
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.nonfinite_steps = 0
+        self._steps = 0
         self._warned_stop = False
         self._generators: dict[torch.device, torch.Generator] = {}
         if self.dim < 2:
@@ -121,6 +132,10 @@ class ECD(Optimizer):
         D = self.dim  # noqa: N806
 
         F = float(loss.detach() if torch.is_tensor(loss) else loss)  # noqa: N806
+        self._steps += 1
+        if not math.isfinite(F):
+            self._skip_nonfinite(F)
+            return loss
         device = self.param_groups[0]["params"][0].device
         moving = []  # (param, group) for parameters with a gradient
         decay = []  # wd/2 ||theta||^2 per group, as tensors (one sync below)
@@ -149,7 +164,7 @@ class ECD(Optimizer):
                 self.state[p]["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
         gap = F - F0
-        if not gap > eps:  # also catches a NaN loss
+        if not gap > eps:  # also catches a NaN weight-decay term
             if gap <= eps:
                 self._warn_stopped(F, F0, eps)
             return loss
@@ -169,6 +184,22 @@ class ECD(Optimizer):
                 m.add_(self._noise(m), alpha=nu / math.sqrt(D))
             _normalise(momenta)
         return loss
+
+    def _skip_nonfinite(self, F: float) -> None:  # noqa: N803
+        """Count a step skipped for a NaN / infinite loss; warn at the first, raise past the limit."""
+        self.nonfinite_steps += 1
+        if self.nonfinite_steps > self.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"ECD: the loss was NaN or infinite in {self.nonfinite_steps} of {self._steps} steps (more than "
+                f"max_nonfinite_steps={self.max_nonfinite_steps}), each skipped; the run stops here. Check the data "
+                "and the model for non-finite values, or lower the learning rate (recipe: optimizer_args: "
+                "{lr: ..., max_nonfinite_steps: ...})"
+            )
+        if self.nonfinite_steps == 1:
+            logger.warning(
+                "ECD skipped step %d: the loss is %s. Skipped steps are counted; more than %d stop the run.",
+                self._steps, F, self.max_nonfinite_steps,
+            )  # fmt: skip
 
     def _warn_stopped(self, F: float, F0: float, eps: float) -> None:  # noqa: N803
         """Say once, with the numbers, that a step did nothing because ``F - F0 <= eps``."""

@@ -17,7 +17,6 @@ act, not a direction training has seen.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import tempfile
@@ -26,7 +25,9 @@ from pathlib import Path
 
 from torch import nn
 
+from sinv_prune import strict_json
 from sinv_prune.arch import get_adapter
+from sinv_prune.filemodes import apply_umask
 from sinv_prune.symmetry.alignment import alignment_table, mean_query_bias, plot_alignment
 from sinv_prune.symmetry.biases import DEFAULT_B_Q, get_symmetry_breaking, get_symmetry_config
 
@@ -120,7 +121,12 @@ def alignment_report(
     else:  # nothing to draw: leave no stale plot of another model behind
         paths["png"].unlink(missing_ok=True)
     data = {"summary": summary, "rows": rows, "method": _METHOD}
-    _atomic(paths["json"], lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8"))
+    _atomic(
+        paths["json"],
+        lambda tmp: Path(tmp).write_text(
+            strict_json.dumps(strict_json.with_null_reasons(data), indent=1) + "\n", encoding="utf-8"
+        ),
+    )
     _atomic(paths["markdown"], lambda tmp: Path(tmp).write_text(_markdown(summary, rows), encoding="utf-8"))
     result = {kind: str(path) for kind, path in paths.items()}
     if not heads:
@@ -225,6 +231,7 @@ def _atomic(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        apply_umask(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -110,7 +110,8 @@ class SinvDepthCriterion(Criterion):
     converged layers go first), the control. Data-free.
 
     A layer without heads has no ``C_Q``; the mean over all heads of the model stands in
-    (a model without heads raises). A zero denominator gives ``r = inf`` (``0`` if ``C_FF`` is 0 too).
+    (a model without heads raises). A zero denominator gives ``r = inf`` (``0`` if ``C_FF`` is 0 too):
+    such a layer is removed first; :meth:`report` writes its ratio as ``None`` with the reason.
 
     .. code-block:: yaml
 
@@ -145,4 +146,14 @@ class SinvDepthCriterion(Criterion):
         return [r if self.invert else -r for r in ratios]
 
     def report(self) -> dict:
-        return {"invert": self.invert, "ratio": self.ratios}
+        """The ratios, JSON-safe: an infinite ratio is ``None`` and ``ratio_null`` says why."""
+        ratios = self.ratios
+        out: dict = {"invert": self.invert, "ratio": ratios}
+        if ratios is not None and any(math.isinf(r) for r in ratios):
+            out["ratio"] = [None if math.isinf(r) else r for r in ratios]
+            layers = [i for i, r in enumerate(ratios) if math.isinf(r)]
+            out["ratio_null"] = (
+                f"layers {layers}: mean C_Q is 0 (the query and key slices cancel), so C_FF / C_Q is infinite; "
+                "ranked as the highest ratio"
+            )
+        return out

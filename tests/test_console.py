@@ -1,0 +1,84 @@
+"""The run's console: at default verbosity, outside a terminal, one line per finished stage or arm and the
+summary; the detail (training metrics, transformers' warnings) in run.log; ``-v`` brings it back."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from test_pipeline import invoke, recipe_file
+
+from sinv_prune.cli import _console
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("console")
+    result = invoke(recipe_file(tmp), "--output", tmp / "out")  # CliRunner: stdout and stderr are not terminals
+    assert result.exit_code == 0, result.output
+    return tmp / "out", result.output
+
+
+def test_default_console_is_short_and_run_log_keeps_the_detail(default_run):
+    out, console = default_run
+    lines = console.splitlines()
+    assert len(lines) < 60 and len(console.encode()) < 8 * 1024, console
+    assert "\r" not in console and "it/s" not in console  # no progress-bar redraws in a log
+    assert "step 6:" not in console and "loss_type" not in console and "sinv/" not in console
+    assert "trained the base model: 6 steps" in console
+    assert sum("fine-tuned 2 steps" in line for line in lines) == 4  # one line per arm
+    assert "taylor-2-global" in console and "report: " in console  # the summary
+    log = (out / "run.log").read_text()
+    assert "step 6: {" in log and "score report sinv_early" in log
+
+
+def test_run_log_takes_transformers_warnings(tmp_path):
+    """(transformers says some only once per process, so this is checked on its own.)"""
+    from sinv_prune.pipeline.stages import _log_to_file
+
+    handler = _log_to_file(tmp_path / "run.log")
+    try:
+        logging.getLogger("transformers.modeling_utils").warning("a transformers warning")
+        logging.getLogger("transformers.modeling_utils").info("an info line it keeps to itself")
+    finally:
+        logging.getLogger("sinv_prune").removeHandler(handler)
+        logging.getLogger("transformers").removeHandler(handler)
+        handler.close()
+    log = (tmp_path / "run.log").read_text()
+    assert "WARNING transformers.modeling_utils: a transformers warning" in log and "info line" not in log
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_verbose_console_shows_every_line(capfd, verbose):
+    log = logging.getLogger("sinv_prune")
+    hf = logging.getLogger("transformers")
+    before = list(hf.handlers)
+    with _console(quiet=False, verbose=verbose):
+        log.info("detail line")
+        log.info("stage line", extra={"console": True})
+        log.warning("a warning")
+        during = list(hf.handlers)  # without -v, transformers' own stderr handler is off
+    err = capfd.readouterr().err
+    assert "stage line" in err and "a warning" in err
+    assert ("detail line" in err) == verbose
+    assert (during == before) == verbose and len(during) >= len(before) - 1
+    assert set(hf.handlers) == set(before)  # restored after the run
+
+
+def test_the_gguf_conversion_bar_follows_transformers_progress_setting():
+    """transformers' GGUF loader draws a plain tqdm bar even with its progress bars disabled."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from sinv_prune.surgery.checkpoint import _gguf_bar_follows_transformers
+
+    original = gguf_utils.tqdm
+    hf_logging.disable_progress_bar()
+    try:
+        with _gguf_bar_follows_transformers():
+            assert gguf_utils.tqdm(range(3), desc="Converting").disable
+    finally:
+        hf_logging.enable_progress_bar()
+    assert gguf_utils.tqdm is original
+    with _gguf_bar_follows_transformers():
+        assert gguf_utils.tqdm is original  # bars enabled: untouched
