@@ -173,7 +173,7 @@ def _add_general(writer: gguf.GGUFWriter, model: nn.Module, name: str | None, ty
     writer.add_string("sinv_prune.version", __version__)
     writer.add_uint64("sinv_prune.parameter_count", parameters)
     if record is not None:
-        writer.add_string("sinv_prune.record", json.dumps(record.to_json(), sort_keys=True))
+        writer.add_string("sinv_prune.record", json.dumps(record.to_json(), sort_keys=True, allow_nan=False))
 
 
 def _add_hparams(writer: gguf.GGUFWriter, config, layout: GGUFLayout, n_vocab: int) -> None:

@@ -108,13 +108,13 @@ def build_lastword_task(dest: str | os.PathLike, source: str | os.PathLike | Non
 
     def write(tmp: Path) -> None:
         data = tmp / f"{TASK_NAME}.jsonl"
-        data.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
+        data.write_text("".join(json.dumps(item, allow_nan=False) + "\n" for item in items), encoding="utf-8")
         config = yaml.safe_load(TEMPLATE.read_text(encoding="utf-8"))
         config["dataset_kwargs"]["data_files"]["test"] = str((out / data.name).resolve())
         config["metadata"]["version"] = TASK_VERSION
         (tmp / TEMPLATE.name).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
         build = {"task": TASK_NAME, "source": str(text_path.resolve()), "sha256": digest, "items": len(items)}
-        (tmp / "build.json").write_text(json.dumps(build, indent=2) + "\n", encoding="utf-8")
+        (tmp / "build.json").write_text(json.dumps(build, indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
     write_dir(out, write)
     return out

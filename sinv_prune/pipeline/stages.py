@@ -770,7 +770,7 @@ def stage_export(run: Run, results: dict) -> dict:
         except ValueError as err:
             raise RunStageError(f"export.gguf ({name}): {err}") from None
         out[name] = {**summary.to_json(), "path": str(file.relative_to(run.root))}
-        logger.info("gguf %s: %s", name, str(summary).replace("\n", "; "))
+        logger.info("gguf %s: %s", name, str(summary).replace("\n", "; "), extra=CONSOLE)
         if model is not run.base:
             del model
             release()
