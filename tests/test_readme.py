@@ -75,9 +75,11 @@ def test_every_command_parses():
     assert {_parse(c) for c in commands} >= {"run", "prune", "info"}
     installs = [line for line in shell if line.startswith(("pip", "python3 -m venv"))]
     assert installs, "no set-up commands"
-    extras = re.findall(r'-e "\.\[(\w+)\]"', "\n".join(installs))
+    extras = [e for group in re.findall(r'-e "\.\[([\w,]+)\]"', "\n".join(installs)) for e in group.split(",")]
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert extras and all(re.search(rf"^{extra}\s*=", pyproject, re.M) for extra in extras)
+    ci = (ROOT / ".ci" / "run").read_text()  # CI installs what the README tells a user to
+    assert f'-e ".[{",".join(extras)}]"' in ci
 
 
 def test_every_relative_link_exists():

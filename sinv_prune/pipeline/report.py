@@ -263,8 +263,13 @@ def plot_perplexity_vs_params(results: dict, path: Path) -> Path:
 
 
 def perplexity_vs_params_figure(results: dict):
-    """Perplexity per arm: the baseline and one column per arm, open marker after pruning, filled after
-    fine-tuning.
+    """Perplexity per arm (:func:`per_arm_figure`)."""
+    return per_arm_figure(results, lambda ev: ev.get("perplexity"), "perplexity (lower is better)")
+
+
+def per_arm_figure(results: dict, value, ylabel: str, *, log_y: bool = True, note: str = ""):
+    """One number per model (``value(evaluation)``, None where absent): the baseline and one column per
+    arm, open marker after pruning, filled after fine-tuning.
 
     Arms are categories, not positions on a parameter axis: arms of one size spread along a
     parameter axis (ticks 220,000 / 224,000) looked like different sizes. The parameter count is
@@ -280,13 +285,13 @@ def perplexity_vs_params_figure(results: dict):
     groups = _seed_groups(results["arms"])
     sizes = {a.get("params", a["pruned"]["params"]) for a in results["arms"]}
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * (len(groups) + 1) + 2.5), 4.4), dpi=120)
-    ax.scatter([0], [base["perplexity"]], marker="*", s=180, color="black", zorder=3)
+    ax.scatter([0], [value(base)], marker="*", s=180, color="black", zorder=3)
     labels = ["baseline"]
-    ppls = [base["perplexity"]]
+    ppls = [value(base)]
     for x, (name, arms) in enumerate(groups, start=1):
         color = f"C{(x - 1) % 10}"
         for stage, filled in (("pruned", False), ("finetuned", True)):
-            values = [a[stage]["perplexity"] for a in arms if a.get(stage) and a[stage]["perplexity"] is not None]
+            values = [value(a[stage]) for a in arms if a.get(stage) and value(a[stage]) is not None]
             if not values:
                 continue
             ppls += values
@@ -302,17 +307,21 @@ def perplexity_vs_params_figure(results: dict):
     ax.set_xticks(range(len(labels)), labels, rotation=30 if len(labels) > 4 else 0, ha="right" if
                   len(labels) > 4 else "center", fontsize=7)  # fmt: skip
     ax.set_xlim(-0.6, len(labels) - 0.4)
-    _plain_y(ax, ppls)
+    if log_y:
+        _plain_y(ax, ppls)
     (size,) = sizes if len(sizes) == 1 else (None,)
+    title = [note] if note else []
     if size is not None:
-        ax.set_title(f"every arm keeps {size:,} parameters ({100 * size / base['params']:.1f}% of the baseline's "
-                     f"{base['params']:,})", fontsize=8)  # fmt: skip
+        title.append(f"every arm keeps {size:,} parameters ({100 * size / base['params']:.1f}% of the baseline's "
+                     f"{base['params']:,})")  # fmt: skip
+    if title:
+        ax.set_title("\n".join(title), fontsize=8)
     ax.scatter([], [], marker="o", s=50, facecolors="white", edgecolors="gray", label="after pruning")
     if any(a.get("finetuned") for a in results["arms"]):
         ax.scatter([], [], marker="o", s=50, color="gray", label="after fine-tuning")
     if any(len(arms) > 1 for _, arms in groups):
         ax.vlines([], [], [], color="gray", label="range over seeds")
-    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()

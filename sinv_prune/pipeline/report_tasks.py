@@ -116,51 +116,20 @@ def _cell(text: str) -> str:
 
 
 def plot_accuracy_vs_params(results: dict, path: Path) -> Path | None:
-    """Mean task accuracy against parameters: one marker per arm, open after pruning, filled after
-    fine-tuning (as the perplexity plot); None when the run has no tasks."""
+    """Mean task accuracy per arm, drawn like the perplexity plot (arms as columns, open after pruning,
+    filled after fine-tuning); None when the run has no tasks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sinv_prune.pipeline.report import MARKERS, _dodge
+    from sinv_prune.pipeline.report import per_arm_figure
 
     names = task_names(results)
-    base_acc = mean_accuracy(results["baseline"], names) if names else None
-    if base_acc is None:
+    if not names or mean_accuracy(results["baseline"], names) is None:
         return None
-    from matplotlib.ticker import FuncFormatter
-    from matplotlib.transforms import offset_copy
-
-    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
-    base = results["baseline"]
-    ax.scatter([base["params"]], [base_acc], marker="*", s=180, color="black", label="baseline", zorder=3)
-    arms = results["arms"]
-    offsets = _dodge([a["pruned"]["params"] for a in arms], base["params"])
-    for i, (arm, dx) in enumerate(zip(arms, offsets, strict=True)):
-        color, marker = f"C{i % 10}", MARKERS[i % len(MARKERS)]
-        shifted = offset_copy(ax.transData, fig=fig, x=dx, units="points")
-        for stage, filled in (("pruned", False), ("finetuned", True)):
-            evaluation = arm.get(stage)
-            acc = mean_accuracy(evaluation, names) if evaluation else None
-            if acc is None:
-                continue
-            style = {"color": color} if filled else {"facecolors": "white", "edgecolors": color, "linewidths": 1.5}
-            ax.scatter([evaluation["params"]], [acc], marker=marker, s=50, transform=shifted, zorder=3, **style)
-            ax.update_datalim([(evaluation["params"], acc)])
-        ax.scatter([], [], marker=marker, s=50, color=color, label=arm["name"])
-    ax.scatter([], [], marker="o", s=50, facecolors="white", edgecolors="gray", label="open: after pruning")
-    if any(a.get("finetuned") for a in arms):
-        ax.scatter([], [], marker="o", s=50, color="gray", label="filled: after fine-tuning")
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.set_xlabel("parameters")
-    ax.set_ylabel(f"mean accuracy over {len(names)} task{'s' if len(names) > 1 else ''} (higher is better)")
-    ax.set_title(", ".join(names), fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.margins(x=0.1, y=0.1)
-    ax.autoscale_view()
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
+    label = f"mean accuracy over {len(names)} task{'s' if len(names) > 1 else ''} (higher is better)"
+    fig = per_arm_figure(results, lambda ev: mean_accuracy(ev, names), label, log_y=False, note=", ".join(names))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
