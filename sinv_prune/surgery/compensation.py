@@ -34,21 +34,25 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter
-from sinv_prune.arch.base import head_rows, linear_weight
+from sinv_prune.arch.base import linear_weight
 from sinv_prune.scoring.criteria.base import preserve_modes
 from sinv_prune.surgery.block_inputs import HOLDOUT, BlockInput, Stop, capture_block_inputs, rows
+from sinv_prune.surgery.cuts import Cut, head_cuts, mlp_cuts
 from sinv_prune.surgery.heldout import HeldOutLoss
 from sinv_prune.surgery.obs import obs_select
 from sinv_prune.surgery.refit import ConsumerFit, consumer_weights, write_consumer
 
-__all__ = ["METHODS", "RIDGES", "CompensationReport", "Cut", "LayerFit", "capture_block_inputs", "default_ridge"]
+__all__ = [
+    "METHODS", "RIDGES", "CompensationReport", "Cut", "LayerFit", "capture_block_inputs", "default_ridge", "head_cuts",
+    "mlp_cuts",
+]  # fmt: skip
 
 METHODS = ("bias", "lsq", "obs")
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
@@ -142,43 +146,6 @@ class CompensationReport:
         return "\n".join([self.headline(), *rows_])
 
 
-@dataclass
-class Cut:
-    """One consumer of a block losing input columns: ``apply()`` slices the block, ``kept`` columns stay.
-
-    ``kept`` and ``removed`` index the unpruned consumer's input. A unit is ``width`` columns;
-    ``quotas`` lists groups of units and how many each loses, and ``choose(units)`` makes the
-    plan remove those units instead (OBS). A block's cuts are in forward order.
-    """
-
-    unit: str
-    consumer: nn.Module
-    kept: torch.Tensor
-    removed: torch.Tensor
-    apply: Callable[[], None]
-    width: int = 1
-    quotas: list[tuple[list[int], int]] = field(default_factory=list)
-    choose: Callable[[list[int]], None] | None = None
-
-    def reselect(self, removed_units: list[int]) -> None:
-        """Remove ``removed_units`` instead of the planned ones."""
-        units = self.consumer_width // self.width
-        keep = [u for u in range(units) if u not in set(removed_units)]
-        device = self.kept.device
-        self.kept, self.removed = (_columns(torch.tensor(u, dtype=torch.long, device=device), self.width)
-                                   for u in (keep, removed_units))  # fmt: skip
-        if self.choose is not None:
-            self.choose(sorted(removed_units))
-
-    @property
-    def consumer_width(self) -> int:
-        return self.kept.numel() + self.removed.numel()
-
-
-def _columns(units: torch.Tensor, width: int) -> torch.Tensor:
-    return units if width == 1 else head_rows(units, width)
-
-
 # -- validation -------------------------------------------------------------------------------
 
 
@@ -248,56 +215,6 @@ def add_attention_biases(model: nn.Module, adapter: HeadAdapter) -> bool:
                 )
     model.config.attention_bias = True
     return True
-
-
-# -- cuts -------------------------------------------------------------------------------------
-
-
-def head_cuts(
-    adapter: HeadAdapter,
-    plan: Mapping[int, tuple],
-    apply: Callable[[int], None],
-    choose: Callable[[int, list[int]], None] | None = None,
-) -> dict[int, list[Cut]]:
-    """One :class:`Cut` per layer of a head plan (``layer -> (removed, keep_q, keep_kv)``); ``apply(layer)`` slices.
-
-    OBS may re-choose heads within each KV group (each group keeps as many as planned), or among
-    all heads where every head has its own KV head.
-    """
-    cuts = {}
-    for layer, (removed, keep_q, _) in plan.items():
-        consumer, layout = adapter.out_proj(layer), adapter.layout(layer)
-        device, head_dim = consumer.weight.device, layout.head_dim
-        columns = [head_rows(torch.tensor(h, dtype=torch.long, device=device), head_dim) for h in (keep_q, removed)]
-        group = layout.group_size
-        if group == 1:
-            quotas = [(list(range(layout.num_heads)), len(removed))]
-        else:
-            quotas = [
-                (list(range(kv * group, (kv + 1) * group)), sum(1 for h in removed if h // group == kv))
-                for kv in range(layout.num_kv_heads)
-            ]
-        pick = None if choose is None else (lambda units, layer=layer: choose(layer, units))
-        cuts[layer] = [Cut("heads", consumer, *columns, lambda layer=layer: apply(layer), head_dim, quotas, pick)]
-    return cuts
-
-
-def mlp_cuts(
-    adapter: HeadAdapter,
-    plan: Mapping[int, tuple[list[int], list[int]]],
-    apply: Callable[[int], None],
-    choose: Callable[[int, list[int]], None] | None = None,
-) -> dict[int, list[Cut]]:
-    """One :class:`Cut` of the down projection per layer of a channel plan (``layer -> (removed, kept)``)."""
-    cuts = {}
-    for layer, (removed, keep) in plan.items():
-        consumer = adapter.mlp_out(layer)
-        device = consumer.weight.device
-        columns = [torch.tensor(c, dtype=torch.long, device=device) for c in (keep, removed)]
-        quotas = [(list(range(len(keep) + len(removed))), len(removed))]
-        pick = None if choose is None else (lambda units, layer=layer: choose(layer, units))
-        cuts[layer] = [Cut("mlp", consumer, *columns, lambda layer=layer: apply(layer), 1, quotas, pick)]
-    return cuts
 
 
 # -- the sequential refit ---------------------------------------------------------------------
