@@ -56,8 +56,8 @@ __all__ = [
 
 METHODS = ("bias", "lsq", "obs")
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
-#: Relative ridges tried per consumer when none is given; the held-out tokens pick one (or none).
-RIDGES = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+#: Relative ridges a consumer may take when none is given; the held-out tokens pick one (or none) by a walk.
+RIDGES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
 def default_ridge(tokens: int) -> float:
@@ -359,20 +359,16 @@ def _fit(index, block, cut: Cut, target: _Target, student, inputs, options: _Opt
         fit, held = fit.restrict(cut.kept), held.restrict(cut.kept)
         cut.apply()
     kept_weight = weight.index_select(1, cut.kept)
-    candidates = _candidates(fit, cut, target, weight, kept_weight, bias, options)
-    chosen = min(candidates, key=lambda c: held.relative_error(*c[1:])) if options.guarded else candidates[-1]
-    write_consumer(cut.consumer, *chosen[1:])
-    refit = chosen[0] is not None
+    plain = (kept_weight, bias)
+    ridge, chosen, held_before, held_after = _choose(fit, held, cut, target, weight, plain, options)
+    write_consumer(cut.consumer, *chosen)
+    refit = chosen is not plain
     both = fit + held
     layer_fit = LayerFit(
-        index, cut.unit, cut.kept.numel(),
-        both.relative_error(kept_weight, bias), both.relative_error(*chosen[1:]), time.perf_counter() - start,
-        held.relative_error(kept_weight, bias) if options.guarded else None,
-        held.relative_error(*chosen[1:]) if options.guarded else None,
-        chosen[0] if refit and options.method != "bias" else None, refit,
+        index, cut.unit, cut.kept.numel(), both.relative_error(*plain), both.relative_error(*chosen),
+        time.perf_counter() - start, held_before, held_after, ridge if refit else None, refit,
     )  # fmt: skip
-    plain = (kept_weight, bias)
-    return layer_fit, [_Undo(cut.consumer, plain, tuple(chosen[1:]))] if refit else []
+    return layer_fit, [_Undo(cut.consumer, plain, chosen)] if refit else []
 
 
 def _statistics(index, block, cut, target, student, inputs, product_dtype, bias) -> tuple[ConsumerFit, ConsumerFit]:
@@ -391,17 +387,44 @@ def _statistics(index, block, cut, target, student, inputs, product_dtype, bias)
     return fit, held
 
 
-def _candidates(fit: ConsumerFit, cut: Cut, target: _Target, weight, kept_weight, bias, options: _Options) -> list:
-    """``(ridge or None, weight, bias)`` to choose from: the plainly pruned weights first, the default fit last."""
-    plain = (None, kept_weight, bias)
+def _choose(fit: ConsumerFit, held: ConsumerFit, cut: Cut, target: _Target, weight, plain: tuple, options: _Options):
+    """``(ridge, (weight, bias), held-out error of plain, of the choice)``: the refit, or ``plain`` where
+    the held-out tokens prefer it. Without held-out tokens: the refit at the given or default ridge.
+
+    With no ridge given, the ridges of :data:`RIDGES` are walked from the one nearest
+    :func:`default_ridge` towards lower held-out error until it rises (usually 3-4 solves, not 6).
+    """
     if options.method == "bias":
         mean = target.removed_sum / max(target.count, 1)
-        return [plain, (0.0, kept_weight, bias.double() + weight.index_select(1, cut.removed).double() @ mean)]
-    if options.ridge is not None:
-        ridges = (options.ridge,)
+        shifted = plain[1].double() + weight.index_select(1, cut.removed).double() @ mean
+        solve = lambda r: (plain[0], shifted)  # noqa: E731
+    else:
+        solve = lambda r: fit.solve(*plain, r)  # noqa: E731
+    if options.ridge is not None or options.method == "bias":
+        ridges = (options.ridge or 0.0,)
     else:
         ridges = RIDGES if options.guarded else (default_ridge(fit.tokens),)
-    return [plain, *((r, *fit.solve(kept_weight, bias, r)) for r in ridges)]
+    if not options.guarded:
+        return ridges[0], solve(ridges[0]), None, None
+    scored: dict[int, tuple[float, tuple]] = {}
+
+    def score(i: int) -> float:
+        if i not in scored:
+            candidate = solve(ridges[i])
+            scored[i] = (held.relative_error(*candidate), candidate)
+        return scored[i][0]
+
+    target_ridge = math.log(default_ridge(fit.tokens))
+    i = min(range(len(ridges)), key=lambda j: abs(math.log(max(ridges[j], 1e-30)) - target_ridge))
+    while True:
+        best = min((j for j in (i - 1, i, i + 1) if 0 <= j < len(ridges)), key=score)
+        if best == i:
+            break
+        i = best
+    plain_error = held.relative_error(*plain)
+    if scored[i][0] < plain_error:
+        return ridges[i], scored[i][1], plain_error, scored[i][0]
+    return None, plain, plain_error, plain_error
 
 
 def _consumer_input(index, block, consumer, hidden, inp: BlockInput, count: int) -> torch.Tensor:
