@@ -197,3 +197,15 @@ def test_bad_guard_arguments_raise(kwargs, message):
     model = tiny_model("gpt2")
     with pytest.raises(ValueError, match=message):
         sinv_prune.prune(model, {"mlp": {0: [1]}}, calibration=calibration(1), compensate="lsq", **kwargs)
+
+
+def test_recipe_compensate_schema_passes_obs_holdout_and_precision():
+    from sinv_prune.pipeline.recipe import CompensateSpec
+
+    spec = CompensateSpec(method="obs", holdout=0.25, precision="float64")
+    assert spec.prune_options() == {"compensate": "obs", "add_bias": False, "holdout": 0.25, "precision": "float64"}
+    assert CompensateSpec().batches == 64 and CompensateSpec().prune_options()["holdout"] == 0.125
+    with pytest.raises(ValueError, match="holdout"):
+        CompensateSpec(holdout=0.6)
+    with pytest.raises(ValueError, match="method"):
+        CompensateSpec(method="ols")
