@@ -127,7 +127,9 @@ def test_lsq_reproduces_a_block_whose_removed_head_is_redundant(arch):
     reference, plain = copy.deepcopy(model), copy.deepcopy(model)
     heads = {layer: list(pairs) for layer, pairs in copies.items()}
     sinv_prune.prune_heads(plain, heads)
-    summary = sinv_prune.prune_heads(model, heads, calibration=calibration(), compensate="lsq", ridge=1e-10)
+    summary = sinv_prune.prune_heads(
+        model, heads, calibration=calibration(), compensate="lsq", ridge=1e-10, precision="float64"
+    )
 
     inputs = model_inputs(seed=7, batch=3, length=20)
     expected = model_output(reference, inputs)
@@ -157,7 +159,9 @@ def test_bias_compensation_adds_the_removed_heads_mean_contribution(arch):
     plain = copy.deepcopy(model)
     sinv_prune.prune_heads(plain, heads)
 
-    summary = sinv_prune.prune_heads(model, heads, calibration=batches, compensate="bias", add_bias=arch == "llama")
+    summary = sinv_prune.prune_heads(
+        model, heads, calibration=batches, compensate="bias", add_bias=arch == "llama", holdout=0
+    )
 
     assert summary.compensation.tokens == sum(int(b["attention_mask"].sum()) for b in batches)
     assert summary.compensation.bias_added == (arch == "llama")
@@ -192,7 +196,9 @@ def test_lsq_never_increases_a_layers_error_over_plain_pruning(arch):
     plain = copy.deepcopy(model)
     sinv_prune.prune_heads(plain, heads)
 
-    summary = sinv_prune.prune_heads(model, heads, calibration=batches, compensate="lsq")
+    summary = sinv_prune.prune_heads(
+        model, heads, calibration=batches, compensate="lsq", holdout=0, precision="float64"
+    )
 
     seen = consumer_io(model, batches)  # the inputs each compensated consumer really gets
     adapter, plain_adapter = get_adapter(model), get_adapter(plain)
@@ -216,7 +222,7 @@ def test_lsq_on_an_emptied_layer_fits_only_the_bias(arch):
     targets = consumer_io(model, batches)
     summary = sinv_prune.prune_heads(
         model, {1: list(range(num_heads))}, allow_empty_layers=True, calibration=batches, compensate="lsq",
-        add_bias=arch == "llama",
+        add_bias=arch == "llama", holdout=0, precision="float64",
     )  # fmt: skip
     proj = get_adapter(model).out_proj(1)
     torch.testing.assert_close(proj.bias.double(), targets[1][1].mean(0), atol=1e-6, rtol=1e-6)

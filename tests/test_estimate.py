@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sinv_prune.pipeline.estimate import Probe, Timing, estimate_stages, format_seconds
+from sinv_prune.pipeline.estimate import COMPENSATION_FORWARDS, Probe, Timing, estimate_stages, format_seconds
 from sinv_prune.pipeline.recipe import validate_recipe
 
 RECIPE = {
@@ -80,7 +80,7 @@ def test_compensation_rounds_and_distillation_add_their_passes():
             {"criterion": "magnitude", "amount": 2, "compensate": comp, "rounds": 3, "name": "three"}]  # fmt: skip
     plain = rows(RECIPE)
     recovered = rows({**RECIPE, "prune": {"arms": arms}})
-    once = fake_probe().forward(4 * 2 * 32) * 2.3
+    once = fake_probe().forward(4 * 2 * 32) * COMPENSATION_FORWARDS["lsq"]
     assert recovered["prune magnitude-2-global-lsq"] - plain["prune magnitude-2-global"] == pytest.approx(once)
     rescore = recovered["score magnitude"]
     assert recovered["prune three"] - plain["prune magnitude-2-global"] == pytest.approx(3 * once + 2 * rescore)

@@ -57,6 +57,8 @@ def test_arms_record_compensation_and_rounds(recovery_run):
     assert plain["compensation"] is None and plain["rounds"] == 1
     report = (recovery_run / "report.md").read_text()
     assert "`magnitude-2-global-lsq`: compensated by `lsq`" in report
+    assert f"held-out cross-entropy {comp['heldout_loss']['plain']:.4f} plain" in report
+    assert comp["heldout_tokens"] == TINY["data"]["seq_len"] and f"kept the {comp['kept']} model" in report
     assert "`activation-4-global-bias-r2`: compensated by `bias` in every round; removed in 2 rounds" in report
 
 

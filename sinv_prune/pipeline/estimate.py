@@ -399,8 +399,9 @@ def estimate_stages(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> lis
 
 
 #: Forward passes over the calibration tokens one compensation costs (lsq: the shared stream, then a
-#: teacher pass, a fitting pass stopped at the projection and a student pass per pruned block).
-COMPENSATION_FORWARDS = {"lsq": 2.3, "bias": 1.0}
+#: teacher pass, a fitting pass stopped at the projection and a student pass per pruned block; obs as lsq,
+#: its selection costs little beside them; the held-out comparison adds two forwards over 1/8 of the tokens).
+COMPENSATION_FORWARDS = {"lsq": 2.6, "obs": 2.6, "bias": 1.3}
 
 
 def _prune_row(recipe: Recipe, arm, probe: Probe, tokens: dict[str, int], copy_save: float) -> Row:

@@ -94,11 +94,12 @@ def check_compensation(recipe: Recipe, adapter: HeadAdapter) -> None:
             )
         if arm.compensate is None:
             continue
-        options = {"ridge": compensation.DEFAULT_RIDGE, **arm.compensate.prune_options()}
+        options = {"ridge": None, **arm.compensate.prune_options()}
         try:
             compensation.check_options(
-                adapter.model, adapter, options["compensate"], [], options["ridge"], options["add_bias"]
-            )
+                adapter.model, adapter, options["compensate"], [], options["ridge"], options["add_bias"],
+                options.get("precision", "float32"), options.get("holdout", compensation.HOLDOUT),
+            )  # fmt: skip
         except ValueError as err:
             raise RecipeError(f"prune.arms[{i}].compensate: {_first_line(err)}") from None
 

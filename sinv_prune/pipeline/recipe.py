@@ -344,27 +344,38 @@ class ScoreSpec(Strict):
 class CompensateSpec(Strict):
     """Compensation at prune time (:mod:`sinv_prune.surgery.compensation`), from calibration sequences.
 
-    ``lsq`` re-fits each pruned layer's output projection by ridge least squares, layer by layer
-    on the already-pruned model's inputs; ``bias`` (FLAP) adds the removed heads' mean
-    contribution to its bias. Calibration: ``batches`` x ``batch_size`` sequences of
-    ``data.seq_len`` tokens from the scoring split (valid, or train without one). ``ridge``
-    (relative; omitted: the library's default) and ``add_bias`` (give bias-free LLaMA-family
-    output projections a bias to fit) go to :func:`sinv_prune.prune_heads`.
+    ``lsq`` re-fits each pruned layer's output projection and MLP down projection by ridge least
+    squares, layer by layer on the already-pruned model's inputs; ``obs`` first re-chooses which
+    units each layer loses by greedy OBS, then refits the same way; ``bias`` (FLAP) adds the
+    removed units' mean contribution to the bias. Calibration: ``batches`` x ``batch_size``
+    sequences of ``data.seq_len`` tokens from the scoring split (valid, or train without one);
+    ``holdout`` of them are held out, so that a refit (and the compensated model as a whole) is
+    kept only where it does better there than plain pruning. ``ridge`` (relative; omitted: picked
+    per layer on the held-out tokens), ``add_bias`` (give bias-free LLaMA-family output
+    projections a bias to fit) and ``precision`` (of the statistics' products) go to
+    :func:`sinv_prune.prune`.
 
     .. code-block:: yaml
 
-        compensate: {method: lsq, batches: 16}
+        compensate: {method: lsq, batches: 64}
     """
 
-    method: Literal["lsq", "bias"] = "lsq"
-    batches: int = Field(16, gt=0)
+    method: Literal["lsq", "obs", "bias"] = "lsq"
+    batches: int = Field(64, gt=0)
     batch_size: int = Field(1, gt=0)
     ridge: float | None = Field(None, gt=0)
     add_bias: bool = False
+    holdout: float = Field(0.125, ge=0, le=0.5)
+    precision: Literal["float32", "float64"] = "float32"
 
     def prune_options(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`sinv_prune.prune_heads` this spec sets (calibration aside)."""
-        options: dict[str, Any] = {"compensate": self.method, "add_bias": self.add_bias}
+        """The keyword arguments of :func:`sinv_prune.prune` this spec sets (calibration aside)."""
+        options: dict[str, Any] = {
+            "compensate": self.method,
+            "add_bias": self.add_bias,
+            "holdout": self.holdout,
+            "precision": self.precision,
+        }
         if self.ridge is not None:
             options["ridge"] = self.ridge
         return options

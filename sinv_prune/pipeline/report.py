@@ -142,7 +142,7 @@ def recovery_note(results: dict) -> str | None:
             after = sum(f["error_after"] for f in fits) / len(fits) if fits else None
             error = f", mean layer error {before:.3f} -> {after:.3f}" if fits else ""
             parts.append(f"compensated by `{comp['method']}` on {comp['tokens']:,} calibration tokens "
-                         f"in {comp['seconds']:.1f} s{error}")  # fmt: skip
+                         f"in {comp['seconds']:.1f} s{error}{_kept(comp)}")  # fmt: skip
         elif arm.get("compensate"):
             parts.append(f"compensated by `{arm['compensate']['method']}` in every round")
         if rounds > 1:
@@ -150,6 +150,15 @@ def recovery_note(results: dict) -> str | None:
         if parts:
             notes.append(f"`{arm['name']}`: " + "; ".join(parts) + ".")
     return " ".join(notes) or None
+
+
+def _kept(comp: dict) -> str:
+    """Which model the held-out tokens chose (compensated or plainly pruned), with their losses."""
+    loss = comp.get("heldout_loss")
+    if not loss:
+        return ""
+    return (f"; held-out {comp['heldout_kind']} {loss['plain']:.4f} plain, {loss['compensated']:.4f} compensated "
+            f"({comp['heldout_tokens']:,} tokens): kept the {comp['kept']} model")  # fmt: skip
 
 
 def markdown_report(results: dict, recipe: Recipe) -> str:

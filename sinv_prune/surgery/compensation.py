@@ -1,6 +1,6 @@
 """Compensation at prune time: re-fit what remains so each block keeps the unpruned block's output.
 
-:func:`~sinv_prune.prune_heads` calls this with ``calibration`` batches and ``compensate``:
+:func:`~sinv_prune.prune` calls this with ``calibration`` batches and ``compensate``:
 
 * ``"lsq"``: sequential least squares, block by block. Two hidden-state streams run over the
   calibration tokens: the unpruned *teacher* and the pruned (and already compensated) *student*.
@@ -8,46 +8,75 @@
   the block is then sliced, the student's kept consumer inputs ``X`` are collected, and the
   consumer is refitted (:class:`~sinv_prune.surgery.refit.ConsumerFit`) so ``[X 1][W b]^T`` reproduces
   ``Y``. Each block is thus fitted on the inputs it will really see.
+* ``"obs"``: as ``lsq``, but which units go inside each layer (as many as the plan says, per KV
+  group for heads under GQA) is chosen first by greedy OBS on the student's inputs
+  (:func:`~sinv_prune.surgery.obs.obs_select`); the plan and the record follow that choice.
 * ``"bias"`` (FLAP): the removed units' mean contribution on the unpruned model,
   ``W[:, removed] @ mean(X_removed)``, is added to the consumer's bias.
 
-The inputs of the first block are caught with a forward pre-hook that stops the model's forward
-(the "Catcher" trick); the blocks then run one at a time. A :class:`Cut` names one consumer and
-the columns it keeps, so MLP channels (the down projection) go through the same code as heads.
-Alive at once: the two streams and one consumer's targets (each tokens x hidden width, in the
-model's dtype) and one consumer's statistics (float64, width^2).
+**The guard**: a share of the calibration sequences is held out
+(:func:`~sinv_prune.surgery.block_inputs.mark_heldout`). Each consumer is fitted on the rest, with
+each ridge of :data:`RIDGES` (or the one given), and keeps the candidate with the lowest error on
+the held-out tokens, the plainly pruned weights included, so a refit that does not generalise is
+dropped. After the last block the held-out loss of the compensated model is compared with that of
+the plainly pruned one (every refit undone) and the better model is kept; the report says which.
+
+Every block's own inputs are caught first (:mod:`~sinv_prune.surgery.block_inputs`), so models
+mixing sliding-window and full attention layers work. A :class:`Cut` names one consumer and the
+columns it keeps, so MLP channels (the down projection) go through the same code as heads. Alive
+at once: the two streams and one consumer's targets (each tokens x hidden width, in the model's
+dtype), one consumer's statistics twice (fit and held-out, float64, width^2; products in
+``precision``) and the plainly pruned weights of every refitted consumer (to undo them).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 
 from sinv_prune.arch import HeadAdapter
-from sinv_prune.arch.base import head_rows
+from sinv_prune.arch.base import linear_weight
 from sinv_prune.scoring.criteria.base import preserve_modes
+from sinv_prune.surgery.block_inputs import HOLDOUT, BlockInput, Stop, capture_block_inputs, rows
+from sinv_prune.surgery.cuts import Cut, head_cuts, mlp_cuts
+from sinv_prune.surgery.heldout import HeldOutLoss
+from sinv_prune.surgery.obs import obs_select
 from sinv_prune.surgery.refit import ConsumerFit, consumer_weights, write_consumer
 
-METHODS = ("bias", "lsq")
-#: Relative ridge: of 0.01, 0.1 and 1, 0.1 gave the best SmolLM2 perplexity with 16 x 512 calibration tokens
-#: (scripts/time_compensation.py); with only 512-2,048 tokens about 1 did better.
-DEFAULT_RIDGE = 0.1
+__all__ = [
+    "METHODS", "RIDGES", "CompensationReport", "Cut", "LayerFit", "capture_block_inputs", "default_ridge", "head_cuts",
+    "mlp_cuts",
+]  # fmt: skip
+
+METHODS = ("bias", "lsq", "obs")
+PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
+#: Relative ridges a consumer may take when none is given; the held-out tokens pick one (or none) by a walk.
+RIDGES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+def default_ridge(tokens: int) -> float:
+    """Relative ridge for ``tokens`` calibration tokens when none can be picked on held-out tokens.
+
+    0.1 at 8,192 tokens and about 1 at 1,024 (scripts/time_compensation.py on SmolLM2 found these
+    best at those counts), log-linear between and beyond, within [0.01, 10].
+    """
+    return float(min(10.0, max(0.01, 0.1 * (8192 / max(tokens, 1)) ** (math.log(10) / math.log(8)))))
 
 
 @dataclass
 class LayerFit:
     """One refitted consumer: relative error of its output against the unpruned one, before and after.
 
-    Errors are ``|output - unpruned output| / |unpruned output|`` over the calibration tokens,
-    on the inputs the compensated model gives the consumer; ``before`` is plain pruning.
+    Errors are ``|output - unpruned output| / |unpruned output|`` on the inputs the compensated
+    model gives the consumer: ``error_*`` over every calibration token, ``heldout_*`` over the
+    held-out ones (None without); ``before`` is plain pruning. ``ridge`` is the chosen relative
+    ridge, None where the plainly pruned weights were kept (``refit`` False).
     """
 
     layer: int
@@ -56,71 +85,85 @@ class LayerFit:
     error_before: float
     error_after: float
     seconds: float
+    heldout_before: float | None = None
+    heldout_after: float | None = None
+    ridge: float | None = None
+    refit: bool = True
 
 
 @dataclass
 class CompensationReport:
-    """What compensation did: method, data seen, time, and one :class:`LayerFit` per refitted consumer."""
+    """What compensation did: method, data seen, time, per refitted consumer a :class:`LayerFit`, the model kept.
+
+    ``heldout_loss`` holds the held-out loss (``heldout_kind``) of the ``unpruned``, ``plain`` and
+    ``compensated`` models; ``kept`` is ``"compensated"`` or ``"plain"`` (the lower held-out loss),
+    or ``"compensated"`` without held-out tokens.
+    """
 
     method: str
-    ridge: float
+    ridge: float | str
     batches: int
     tokens: int
     seconds: float = 0.0
     bias_added: bool = False
     layers: list[LayerFit] = field(default_factory=list)
+    heldout_tokens: int = 0
+    heldout_kind: str | None = None
+    heldout_loss: dict[str, float] = field(default_factory=dict)
+    kept: str = "compensated"
+    precision: str = "float32"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "us_per_token": self.us_per_token}
+
+    @property
+    def us_per_token(self) -> float:
+        """Compensation time per calibration token, in microseconds."""
+        return 1e6 * self.seconds / max(self.tokens, 1)
+
+    def headline(self) -> str:
+        line = (
+            f"compensation {self.method}: {self.batches} batches, {self.tokens} tokens "
+            f"({self.heldout_tokens} held out), {self.seconds:.1f} s ({self.us_per_token:.0f} us/token)"
+        )
+        refits = sum(f.refit for f in self.layers)
+        line += f", {refits}/{len(self.layers)} consumers refitted"
+        if self.heldout_loss:
+            loss = self.heldout_loss
+            line += (
+                f"; held-out {self.heldout_kind}: unpruned {loss['unpruned']:.4f}, plain {loss['plain']:.4f}, "
+                f"compensated {loss['compensated']:.4f}"
+            )
+        return line + f"; kept the {self.kept} model"
 
     def __str__(self) -> str:
-        head = f"compensation {self.method}: {self.batches} batches, {self.tokens} tokens, {self.seconds:.1f} s"
-        rows = [
-            f"  layer {f.layer:>3} {f.unit}: error {f.error_before:.4f} -> {f.error_after:.4f}" for f in self.layers
+        rows_ = [
+            f"  layer {f.layer:>3} {f.unit}: error {f.error_before:.4f} -> {f.error_after:.4f}"
+            + (f", held out {f.heldout_before:.4f} -> {f.heldout_after:.4f}" if f.heldout_before is not None else "")
+            + (f", ridge {f.ridge:g}" if f.refit else ", kept plain")
+            for f in self.layers
         ]
-        return "\n".join([head, *rows])
+        return "\n".join([self.headline(), *rows_])
 
 
-@dataclass
-class Cut:
-    """One consumer of a block losing input columns: ``apply()`` slices the block, ``kept`` columns stay.
-
-    ``kept`` and ``removed`` index the unpruned consumer's input. A block's cuts are listed in
-    forward order (attention output projection before the MLP down projection).
-    """
-
-    unit: str
-    consumer: nn.Module
-    kept: torch.Tensor
-    removed: torch.Tensor
-    apply: Callable[[], None]
-
-
-@dataclass
-class BlockInput:
-    """What the model passes its first block for one batch, and which tokens count (not padding)."""
-
-    hidden: torch.Tensor
-    args: tuple
-    kwargs: dict
-    valid: torch.Tensor | None
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward once it has what it needs."""
-
-
-# -- validation and inputs --------------------------------------------------------------------
+# -- validation -------------------------------------------------------------------------------
 
 
 def check_options(
-    model: nn.Module, adapter: HeadAdapter, method: str | None, calibration, ridge: float, add_bias: bool
+    model: nn.Module,
+    adapter: HeadAdapter,
+    method: str | None,
+    calibration,
+    ridge: float | None,
+    add_bias: bool,
+    precision: str = "float32",
+    holdout: float = HOLDOUT,
 ) -> None:
     """Refuse bad compensation arguments with one ``ValueError``, before anything changes."""
     if method is None:
         if calibration is not None or add_bias:
             used = "calibration batches are" if calibration is not None else "add_bias is"
-            raise ValueError(f"{used} only used with compensate='lsq' or 'bias'")
+            raise ValueError(f"{used} only used with compensate='lsq', 'obs' or 'bias'")
         return
     if method not in METHODS:
         raise ValueError(f"unknown compensation {method!r}: choose one of {', '.join(METHODS)} or None")
@@ -128,11 +171,14 @@ def check_options(
         raise ValueError(f"compensate={method!r} needs calibration batches (dicts with input_ids)")
     if isinstance(calibration, (Mapping, str, bytes, torch.Tensor)) or not isinstance(calibration, Iterable):
         raise ValueError(f"calibration must be an iterable of batches (dicts), got {type(calibration).__name__}")
-    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not math.isfinite(ridge) or ridge < 0:
-        raise ValueError(f"ridge must be a finite number >= 0, got {ridge!r}")
-    types = set(getattr(model.config, "layer_types", None) or ())
-    if len(types) > 1:
-        raise ValueError(f"compensation does not support models mixing attention layer types ({sorted(types)})")
+    if ridge is not None and (
+        isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not math.isfinite(ridge) or ridge < 0
+    ):
+        raise ValueError(f"ridge must be a finite number >= 0 or None (picked on held-out tokens), got {ridge!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout <= 0.5:
+        raise ValueError(f"holdout must be a share between 0 and 0.5 of the calibration sequences, got {holdout!r}")
     no_bias = [i for i in range(adapter.num_layers) if getattr(adapter.out_proj(i), "bias", None) is None]
     if no_bias and add_bias and not _can_add_bias(model, adapter):
         raise ValueError(
@@ -171,113 +217,84 @@ def add_attention_biases(model: nn.Module, adapter: HeadAdapter) -> bool:
     return True
 
 
-def capture_block_inputs(model: nn.Module, adapter: HeadAdapter, calibration: Iterable) -> list[BlockInput]:
-    """Run ``model`` on every batch up to its first block and keep that block's inputs (nothing changes)."""
-    first = adapter.layers()[0]
-    device = _input_device(model)
-    extra = {"use_cache": False} if "use_cache" in _forward_params(model) else {}
-    captured: list[tuple] = []
-
-    def catch(module, args, kwargs):
-        captured.append((args, kwargs))
-        raise _Stop
-
-    inputs = []
-    handle = first.register_forward_pre_hook(catch, with_kwargs=True)
-    try:
-        with preserve_modes(model), torch.no_grad():
-            for number, batch in enumerate(calibration):
-                if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
-                    raise ValueError(f"calibration batch {number} is not a dict with an input_ids tensor")
-                feed = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                feed.pop("labels", None)
-                with contextlib.suppress(_Stop):
-                    model(**feed, **extra)
-                if len(captured) != number + 1:
-                    raise ValueError(f"calibration batch {number} never reached the first transformer block")
-                inputs.append(_block_input(*captured[-1], feed.get("attention_mask")))
-    finally:
-        handle.remove()
-    if not inputs:
-        raise ValueError("calibration holds no batches")
-    return inputs
-
-
-def _block_input(args: tuple, kwargs: dict, mask: torch.Tensor | None) -> BlockInput:
-    kwargs = {k: None if isinstance(v, Cache) else v for k, v in kwargs.items()}
-    if args:
-        hidden, rest = args[0], tuple(None if isinstance(a, Cache) else a for a in args[1:])
-    else:
-        hidden, rest = kwargs.pop("hidden_states"), ()
-    valid = None if mask is None else mask.reshape(-1).to(hidden.device).bool()
-    return BlockInput(hidden, rest, kwargs, valid)
-
-
-def _forward_params(model: nn.Module) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
-
-
-def _input_device(model: nn.Module) -> torch.device:
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    weight = getattr(embeddings, "weight", None)
-    return weight.device if weight is not None else next(model.parameters()).device
-
-
 # -- the sequential refit ---------------------------------------------------------------------
 
 
-def head_cuts(adapter: HeadAdapter, plan: Mapping[int, tuple], apply: Callable[[int], None]) -> dict[int, list[Cut]]:
-    """One :class:`Cut` per layer of a head plan (``layer -> (removed, keep_q, keep_kv)``); ``apply(layer)`` slices."""
-    cuts = {}
-    for layer, (removed, keep_q, _) in plan.items():
-        consumer = adapter.out_proj(layer)
-        device, head_dim = consumer.weight.device, adapter.layout(layer).head_dim
-        columns = [head_rows(torch.tensor(h, dtype=torch.long, device=device), head_dim) for h in (keep_q, removed)]
-        cuts[layer] = [Cut("heads", consumer, *columns, lambda layer=layer: apply(layer))]
-    return cuts
+@dataclass
+class _Undo:
+    """A refitted consumer's plainly pruned and fitted weights, to compare the two models at the end."""
 
-
-def mlp_cuts(
-    adapter: HeadAdapter, plan: Mapping[int, tuple[list[int], list[int]]], apply: Callable[[int], None]
-) -> dict[int, list[Cut]]:
-    """One :class:`Cut` of the down projection per layer of a channel plan (``layer -> (removed, kept)``)."""
-    cuts = {}
-    for layer, (removed, keep) in plan.items():
-        consumer = adapter.mlp_out(layer)
-        device = consumer.weight.device
-        columns = [torch.tensor(c, dtype=torch.long, device=device) for c in (keep, removed)]
-        cuts[layer] = [Cut("mlp", consumer, *columns, lambda layer=layer: apply(layer))]
-    return cuts
+    consumer: nn.Module
+    plain: tuple
+    fitted: tuple
 
 
 def compensate(
-    blocks: list[nn.Module], cuts: Mapping[int, list[Cut]], inputs: list[BlockInput], method: str, ridge: float
+    model: nn.Module,
+    adapter: HeadAdapter,
+    cuts: Mapping[int, list[Cut]],
+    inputs: list[BlockInput],
+    method: str,
+    ridge: float | None,
+    precision: str = "float32",
 ) -> CompensationReport:
     """Apply every cut block by block, refitting each consumer on the student stream (see the module doc)."""
     start = time.perf_counter()
-    tokens = sum(i.valid.sum().item() if i.valid is not None else i.hidden.shape[:-1].numel() for i in inputs)
-    report = CompensationReport(method, float(ridge), len(inputs), int(tokens))
+    tokens = sum(i.tokens for i in inputs)
+    held = sum(int(i.heldout.sum()) for i in inputs if i.heldout is not None)
+    report = CompensationReport(method, "auto" if ridge is None else float(ridge), len(inputs), int(tokens))
+    report.heldout_tokens, report.precision = held, precision
     if not cuts:
         return report
-    last = max(cuts)
+    heldout = HeldOutLoss(model, adapter, inputs) if held else None
+    blocks, last, undo = adapter.layers(), max(cuts), []
+    options = _Options(method, ridge, PRECISIONS[precision], held > 0)
     teacher, student = [i.hidden for i in inputs], None
     with torch.no_grad():
         for index in range(last + 1):
             block, layer_cuts = blocks[index], cuts.get(index, [])
             targets = None
             if layer_cuts:
-                targets, advanced = _teacher_pass(block, layer_cuts, teacher, inputs, method, advance=index < last)
+                targets, advanced = _teacher_pass(index, block, layer_cuts, teacher, inputs, method, index < last)
             else:
-                advanced = [_run(block, h, i) for h, i in zip(teacher, inputs, strict=True)]
+                advanced = [i.run(block, index, h) for h, i in zip(teacher, inputs, strict=True)]
             if student is None and layer_cuts:
                 student = teacher  # identical up to the first cut
             teacher = advanced
             for cut, target in zip(layer_cuts, targets or [], strict=False):
-                report.layers.append(_fit(index, block, cut, target, student, inputs, method, ridge))
+                fit, done = _fit(index, block, cut, target, student, inputs, options)
+                report.layers.append(fit)
+                undo.extend(done)
             if student is not None and index < last:
-                student = [_run(block, h, i) for h, i in zip(student, inputs, strict=True)]
+                student = [i.run(block, index, h) for h, i in zip(student, inputs, strict=True)]
+        del teacher, student
+        if heldout:
+            report.heldout_kind = heldout.kind
+            report.kept, report.heldout_loss = _keep_better(heldout, undo)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _keep_better(heldout: HeldOutLoss, undo: list[_Undo]) -> tuple[str, dict[str, float]]:
+    """Measure the compensated and the plainly pruned model on the held-out tokens; keep the better."""
+    compensated = heldout()
+    for u in undo:
+        write_consumer(u.consumer, *u.plain)
+    plain = heldout() if undo else compensated
+    loss = {"unpruned": heldout.unpruned, "plain": plain, "compensated": compensated}
+    if compensated < plain:
+        for u in undo:
+            write_consumer(u.consumer, *u.fitted)
+        return "compensated", loss
+    return "plain", loss
+
+
+@dataclass
+class _Options:
+    method: str
+    ridge: float | None
+    product_dtype: torch.dtype
+    guarded: bool
 
 
 @dataclass
@@ -289,22 +306,23 @@ class _Target:
     count: int = 0
 
 
-def _teacher_pass(block, cuts, teacher, inputs, method, advance):
+def _teacher_pass(index, block, cuts, teacher, inputs, method, advance):
     """Run the unpruned block on the teacher stream, recording each consumer's output; the advanced stream."""
     targets = [_Target() for _ in cuts]
     current: list[BlockInput] = []
 
     def recorder(cut: Cut, target: _Target, stop: bool):
         def hook(module, args, output):
-            valid = current[0].valid
-            target.outputs.append(_rows(output, valid))
+            inp = current[0]
+            target.outputs.append(rows(output, inp.valid))
             if method == "bias":
-                rows = _rows(args[0], valid)
-                removed = rows.index_select(1, cut.removed).double().sum(0)
-                target.removed_sum = removed if target.removed_sum is None else target.removed_sum + removed
-                target.count += rows.shape[0]
+                x = rows(args[0], inp.valid)
+                if inp.heldout is not None:
+                    x = x[~inp.heldout]
+                target.removed_sum = _add(target.removed_sum, x.index_select(1, cut.removed).double().sum(0))
+                target.count += x.shape[0]
             if stop:
-                raise _Stop
+                raise Stop
 
         return hook
 
@@ -316,61 +334,115 @@ def _teacher_pass(block, cuts, teacher, inputs, method, advance):
     try:
         for hidden, inp in zip(teacher, inputs, strict=True):
             current[:] = [inp]
-            with contextlib.suppress(_Stop):  # raised in the last block: only the consumers' outputs count
-                advanced.append(_run(block, hidden, inp))
+            with contextlib.suppress(Stop):  # raised in the last block: only the consumers' outputs count
+                advanced.append(inp.run(block, index, hidden))
     finally:
         for h in hooks:
             h.remove()
     return targets, advanced if advance else None
 
 
-def _fit(layer, block, cut: Cut, target: _Target, student, inputs, method, ridge) -> LayerFit:
-    """Slice the block, gather the student's kept consumer inputs, refit and write the consumer."""
+def _add(total, value):
+    return value if total is None else total + value
+
+
+def _fit(index, block, cut: Cut, target: _Target, student, inputs, options: _Options) -> tuple[LayerFit, list[_Undo]]:
+    """Slice the block (choosing its units first for OBS), refit the consumer, keep what the held-out tokens prefer."""
     start = time.perf_counter()
     weight, bias = consumer_weights(cut.consumer)
+    obs = options.method == "obs"
+    if not obs:
+        cut.apply()
+    fit, held = _statistics(index, block, cut, target, student, inputs, options.product_dtype, bias is not None)
+    if obs:
+        cut.reselect(obs_select(fit.gram[: cut.consumer_width, : cut.consumer_width], weight, cut.width, cut.quotas))
+        fit, held = fit.restrict(cut.kept), held.restrict(cut.kept)
+        cut.apply()
     kept_weight = weight.index_select(1, cut.kept)
-    cut.apply()
-    fit = ConsumerFit(cut.kept.numel(), weight.shape[0], bias=bias is not None, device=weight.device)
+    plain = (kept_weight, bias)
+    ridge, chosen, held_before, held_after = _choose(fit, held, cut, target, weight, plain, options)
+    write_consumer(cut.consumer, *chosen)
+    refit = chosen is not plain
+    both = fit + held
+    layer_fit = LayerFit(
+        index, cut.unit, cut.kept.numel(), both.relative_error(*plain), both.relative_error(*chosen),
+        time.perf_counter() - start, held_before, held_after, ridge if refit else None, refit,
+    )  # fmt: skip
+    return layer_fit, [_Undo(cut.consumer, plain, chosen)] if refit else []
+
+
+def _statistics(index, block, cut, target, student, inputs, product_dtype, bias) -> tuple[ConsumerFit, ConsumerFit]:
+    """The student's consumer inputs against the teacher's outputs: fit and held-out statistics."""
+    weight = linear_weight(cut.consumer)  # its width now: every column before slicing (OBS), the kept ones after
+    width, out, device = weight.shape[1], target.outputs[0].shape[1], weight.device
+    fit, held = (ConsumerFit(width, out, bias=bias, device=device, product_dtype=product_dtype) for _ in range(2))
     for hidden, inp, y in zip(student, inputs, target.outputs, strict=True):
-        fit.update(_consumer_input(block, cut.consumer, hidden, inp, y.shape[0]), y)
+        x = _consumer_input(index, block, cut.consumer, hidden, inp, y.shape[0])
+        if inp.heldout is None:
+            fit.update(x, y)
+        else:
+            fit.update(x[~inp.heldout], y[~inp.heldout])
+            held.update(x[inp.heldout], y[inp.heldout])
     target.outputs.clear()
-    if method == "lsq":
-        new_weight, new_bias = fit.solve(kept_weight, bias, ridge)
-    else:
+    return fit, held
+
+
+def _choose(fit: ConsumerFit, held: ConsumerFit, cut: Cut, target: _Target, weight, plain: tuple, options: _Options):
+    """``(ridge, (weight, bias), held-out error of plain, of the choice)``: the refit, or ``plain`` where
+    the held-out tokens prefer it. Without held-out tokens: the refit at the given or default ridge.
+
+    With no ridge given, the ridges of :data:`RIDGES` are walked from the one nearest
+    :func:`default_ridge` towards lower held-out error until it rises (usually 3-4 solves, not 6).
+    """
+    if options.method == "bias":
         mean = target.removed_sum / max(target.count, 1)
-        new_weight, new_bias = kept_weight, bias.double() + weight.index_select(1, cut.removed).double() @ mean
-    write_consumer(cut.consumer, new_weight, new_bias)
-    before, after = fit.relative_error(kept_weight, bias), fit.relative_error(new_weight, new_bias)
-    return LayerFit(layer, cut.unit, cut.kept.numel(), before, after, time.perf_counter() - start)
+        shifted = plain[1].double() + weight.index_select(1, cut.removed).double() @ mean
+        solve = lambda r: (plain[0], shifted)  # noqa: E731
+    else:
+        solve = lambda r: fit.solve(*plain, r)  # noqa: E731
+    if options.ridge is not None or options.method == "bias":
+        ridges = (options.ridge or 0.0,)
+    else:
+        ridges = RIDGES if options.guarded else (default_ridge(fit.tokens),)
+    if not options.guarded:
+        return ridges[0], solve(ridges[0]), None, None
+    scored: dict[int, tuple[float, tuple]] = {}
+
+    def score(i: int) -> float:
+        if i not in scored:
+            candidate = solve(ridges[i])
+            scored[i] = (held.relative_error(*candidate), candidate)
+        return scored[i][0]
+
+    target_ridge = math.log(default_ridge(fit.tokens))
+    i = min(range(len(ridges)), key=lambda j: abs(math.log(max(ridges[j], 1e-30)) - target_ridge))
+    while True:
+        best = min((j for j in (i - 1, i, i + 1) if 0 <= j < len(ridges)), key=score)
+        if best == i:
+            break
+        i = best
+    plain_error = held.relative_error(*plain)
+    if scored[i][0] < plain_error:
+        return ridges[i], scored[i][1], plain_error, scored[i][0]
+    return None, plain, plain_error, plain_error
 
 
-def _consumer_input(block, consumer, hidden, inp: BlockInput, rows: int) -> torch.Tensor:
+def _consumer_input(index, block, consumer, hidden, inp: BlockInput, count: int) -> torch.Tensor:
     """The consumer's input rows for one batch; the block stops there. Zero columns if it is never called."""
     seen = []
 
     def catch(module, args):
         seen.append(args[0])
-        raise _Stop
+        raise Stop
 
     handle = consumer.register_forward_pre_hook(catch)
     try:
-        with contextlib.suppress(_Stop):
-            _run(block, hidden, inp)
+        with contextlib.suppress(Stop):
+            inp.run(block, index, hidden)
     finally:
         handle.remove()
     # GPT-2's empty attention (every head removed) returns the bias without calling c_proj.
-    return _rows(seen[0], inp.valid) if seen else hidden.new_zeros(rows, 0)
-
-
-def _run(block: nn.Module, hidden: torch.Tensor, inp: BlockInput) -> torch.Tensor:
-    out = block(hidden, *inp.args, **inp.kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _rows(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """Tokens as rows ``[n, features]``, padding dropped."""
-    x = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # not -1: a layer without heads has zero features
-    return x if valid is None else x[valid]
+    return rows(seen[0], inp.valid) if seen else hidden.new_zeros(count, 0)
 
 
 def run_compensation(
@@ -379,12 +451,13 @@ def run_compensation(
     cuts: Mapping[int, list[Cut]],
     inputs: list[BlockInput],
     method: str,
-    ridge: float,
+    ridge: float | None,
     add_bias: bool,
+    precision: str = "float32",
 ) -> CompensationReport:
     """Add biases when asked, then :func:`compensate` in eval mode without gradients (modes restored)."""
     added = add_attention_biases(model, adapter) if add_bias else False
     with preserve_modes(model):
-        report = compensate(adapter.layers(), cuts, inputs, method, ridge)
+        report = compensate(model, adapter, cuts, inputs, method, ridge, precision)
     report.bias_added = added
     return report

@@ -21,13 +21,23 @@ from sinv_prune.arch.base import linear_weight
 class ConsumerFit:
     """``G = [X 1]^T [X 1]``, ``C = [X 1]^T Y`` and ``|Y|^2`` of one consumer, accumulated batch by batch.
 
-    ``bias`` adds the column of ones (fit a bias too). Statistics are kept in ``dtype``
-    (float64 by default; pass float32 where float64 is slow, as on consumer GPUs) on ``device``;
-    rows are tokens.
+    ``bias`` adds the column of ones (fit a bias too). Statistics are summed in ``dtype``
+    (float64 by default) on ``device``; each batch's products are computed in ``product_dtype``
+    (default: ``dtype``; float32 is faster, and on consumer GPUs much faster). Rows are tokens.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, device: torch.device, dtype=torch.float64):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        device: torch.device,
+        dtype=torch.float64,
+        product_dtype=None,
+    ):
         self.in_features, self.bias = in_features, bias
+        self.product_dtype = product_dtype or dtype
         width = in_features + int(bias)
         self.gram = torch.zeros(width, width, dtype=dtype, device=device)
         self.cross = torch.zeros(width, out_features, dtype=dtype, device=device)
@@ -35,14 +45,41 @@ class ConsumerFit:
         self.tokens = 0
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add tokens: ``x`` ``[n, in_features]`` (kept inputs), ``y`` ``[n, out_features]`` (target outputs)."""
-        x, y = x.to(self.gram), y.to(self.gram)
+        """Add tokens: ``x`` ``[n, in_features]`` (kept inputs), ``y`` ``[n, out_features]`` (target outputs).
+
+        The products are computed in ``product_dtype`` and added to the ``dtype`` sums, so float32
+        products (fast) lose only their own rounding, not the accumulation over many batches.
+        """
+        x, y = x.to(self.product_dtype), y.to(self.product_dtype)
         if self.bias:
             x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
-        self.gram.addmm_(x.T, x)
-        self.cross.addmm_(x.T, y)
-        self.target_sq += y.square().sum()
+        if self.product_dtype == self.gram.dtype:
+            self.gram.addmm_(x.T, x)
+            self.cross.addmm_(x.T, y)
+        else:
+            self.gram += (x.T @ x).to(self.gram)
+            self.cross += (x.T @ y).to(self.gram)
+        self.target_sq += y.to(self.gram).square().sum()
         self.tokens += x.shape[0]
+
+    def restrict(self, columns: torch.Tensor) -> ConsumerFit:
+        """The statistics of the input columns ``columns`` only (the bias column kept), as a new fit."""
+        index = columns.to(self.gram.device)
+        if self.bias:
+            index = torch.cat([index, index.new_tensor([self.in_features])])
+        fit = ConsumerFit.__new__(ConsumerFit)
+        fit.in_features, fit.bias, fit.product_dtype = columns.numel(), self.bias, self.product_dtype
+        fit.gram = self.gram.index_select(0, index).index_select(1, index)
+        fit.cross, fit.target_sq, fit.tokens = self.cross.index_select(0, index), self.target_sq, self.tokens
+        return fit
+
+    def __add__(self, other: ConsumerFit) -> ConsumerFit:
+        """The statistics of both token sets together."""
+        fit = ConsumerFit.__new__(ConsumerFit)
+        fit.in_features, fit.bias, fit.product_dtype = self.in_features, self.bias, self.product_dtype
+        fit.gram, fit.cross = self.gram + other.gram, self.cross + other.cross
+        fit.target_sq, fit.tokens = self.target_sq + other.target_sq, self.tokens + other.tokens
+        return fit
 
     def solve(self, weight: torch.Tensor, bias: torch.Tensor | None, ridge: float) -> tuple[torch.Tensor, ...]:
         """Ridge least squares pulled towards ``(weight, bias)`` (``[out, in]``, ``[out]``); returns the fit.

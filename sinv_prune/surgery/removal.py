@@ -131,8 +131,10 @@ def prune_heads(
     allow_empty_layers: bool = False,
     calibration: Iterable[Mapping] | None = None,
     compensate: str | None = None,
-    ridge: float = compensation.DEFAULT_RIDGE,
+    ridge: float | None = None,
     add_bias: bool = False,
+    precision: str = "float32",
+    holdout: float = compensation.HOLDOUT,
 ) -> PruneSummary:
     """Remove attention heads from ``model`` in place: ``prune(model, {"heads": heads}, ...)``.
 
@@ -151,6 +153,8 @@ def prune_heads(
         compensate=compensate,
         ridge=ridge,
         add_bias=add_bias,
+        precision=precision,
+        holdout=holdout,
     )
 
 
@@ -161,8 +165,10 @@ def prune(
     allow_empty_layers: bool = False,
     calibration: Iterable[Mapping] | None = None,
     compensate: str | None = None,
-    ridge: float = compensation.DEFAULT_RIDGE,
+    ridge: float | None = None,
     add_bias: bool = False,
+    precision: str = "float32",
+    holdout: float = compensation.HOLDOUT,
 ) -> PruneSummary:
     """Remove attention heads, MLP channels and whole blocks from ``model`` in place, through one plan.
 
@@ -196,7 +202,16 @@ def prune(
     output projection and MLP down projection (and their biases, where they have one) by
     ridge least squares, layer by layer on the already-pruned model's inputs, so that the
     layer reproduces the unpruned outputs; ``ridge`` is relative to the mean diagonal of the
-    inputs' Gram matrix and pulls towards the plainly pruned weights. ``compensate="bias"``
+    inputs' Gram matrix and pulls towards the plainly pruned weights (None, the default: each
+    consumer picks one of ``compensation.RIDGES`` on the held-out tokens). ``holdout`` of the
+    calibration sequences (default 1/8) are held out: each consumer keeps its refit only where
+    it lowers the held-out error, and the compensated model is kept only where its held-out loss
+    is below the plainly pruned model's (``summary.compensation.kept`` says which); ``holdout=0``
+    fits on everything with ``compensation.default_ridge(tokens)``. ``compensate="obs"`` first
+    re-chooses which units each layer loses (as many as planned; heads within each KV group) by
+    greedy OBS, then refits as ``"lsq"``; the summary and record give the units really removed.
+    ``precision`` is the dtype of the statistics' products (float32, summed in float64; or
+    float64). ``compensate="bias"``
     (FLAP) adds the removed units' mean contribution on the unpruned model to the consumer's
     bias; it is refused for MLP channels whose down projection has no bias (LLaMA family).
     LLaMA-family output projections have no bias: ``add_bias=True`` gives every attention
@@ -210,7 +225,7 @@ def prune(
     refusal = unprunable_reason(model, adapter)
     if refusal:
         raise ValueError(f"cannot prune this model: {refusal}")
-    compensation.check_options(model, adapter, compensate, calibration, ridge, add_bias)
+    compensation.check_options(model, adapter, compensate, calibration, ridge, add_bias, precision, holdout)
     checked = plan_prune(model, adapter, plan, allow_empty_layers=allow_empty_layers)
     if checked.mlp and compensate == "bias":
         no_bias = [i for i in checked.mlp if getattr(adapter.mlp_out(i), "bias", None) is None]
@@ -223,11 +238,12 @@ def prune(
         params = count_parameters(model)
         return PruneSummary([], params, params)
     record = _current_record(model, adapter)
-    inputs = compensation.capture_block_inputs(model, adapter, calibration) if compensate else None
+    inputs = compensation.capture_block_inputs(model, adapter, calibration, holdout) if compensate else None
     before = count_parameters(model)
     snapshot = _Snapshot.take(model, adapter, checked, all_attention=bool(add_bias and compensate))
     try:
-        changes, mlp_changes, report = _cut(model, adapter, record, checked, inputs, compensate, ridge, add_bias)
+        options = (compensate, ridge, add_bias, precision)
+        changes, mlp_changes, report = _cut(model, adapter, record, checked, inputs, options)
         origin = record.kept_layers()
         dropped_original = [origin[i] for i in checked.layers]
         if checked.layers:
@@ -242,10 +258,48 @@ def prune(
     return PruneSummary(changes, before, after, report, mlp_changes, list(checked.layers), dropped_original)
 
 
-def _cut(model, adapter, record, plan: _Plan, inputs, compensate, ridge, add_bias):
-    """Slice heads and channels (compensating when asked), updating ``record``; the changes and the report."""
+def _cut(model, adapter, record, plan: _Plan, inputs, options):
+    """Slice heads and channels (compensating when asked), updating ``record``; the changes and the report.
+
+    ``options`` is ``(compensate, ridge, add_bias, precision)``. OBS may change which units go, so
+    the record and the changes are written from the plan after compensation.
+    """
+    compensate, ridge, add_bias, precision = options
+    report = None
+
+    def slice_heads(layer: int) -> None:
+        apply_layer(adapter, layer, *plan.heads[layer][1:])
+
+    def slice_mlp(layer: int) -> None:
+        apply_mlp(adapter, layer, plan.mlp[layer][1])
+
+    def choose_heads(layer: int, removed: list[int]) -> None:
+        plan.heads[layer] = plan_removal(adapter, {layer: removed}, allow_empty_layers=True)[layer]
+
+    def choose_mlp(layer: int, removed: list[int]) -> None:
+        width = len(plan.mlp[layer][0]) + len(plan.mlp[layer][1])
+        plan.mlp[layer] = (removed, [c for c in range(width) if c not in set(removed)])
+
+    if compensate:
+        cuts = compensation.head_cuts(adapter, plan.heads, slice_heads, choose_heads)
+        for layer, cut in compensation.mlp_cuts(adapter, plan.mlp, slice_mlp, choose_mlp).items():
+            cuts.setdefault(layer, []).extend(cut)  # forward order: attention before the MLP
+        report = compensation.run_compensation(
+            model, adapter, dict(sorted(cuts.items())), inputs, compensate, ridge, add_bias, precision
+        )
+    else:
+        for layer in plan.heads:
+            slice_heads(layer)
+        for layer in plan.mlp:
+            slice_mlp(layer)
+    changes, mlp_changes = _record_cut(record, plan)
+    return changes, mlp_changes, report
+
+
+def _record_cut(record, plan: _Plan) -> tuple[list[LayerChange], list[MlpChange]]:
+    """Write the plan's heads and channels into ``record`` (original numbering); the per-layer changes."""
     origin = record.kept_layers()
-    changes, mlp_changes, report = [], [], None
+    changes, mlp_changes = [], []
     for layer, (removed, keep_q, keep_kv) in plan.heads.items():
         kept_original = record.kept_heads(origin[layer])
         removed_original = [kept_original[h] for h in removed]
@@ -258,26 +312,7 @@ def _cut(model, adapter, record, plan: _Plan, inputs, compensate, ridge, add_bia
         removed_original = [kept_original[c] for c in removed]
         record.pruned_mlp[origin[layer]] = sorted(set(record.pruned_mlp.get(origin[layer], [])) | set(removed_original))
         mlp_changes.append(MlpChange(layer, removed, removed_original, len(keep)))
-
-    def slice_heads(layer: int) -> None:
-        apply_layer(adapter, layer, *plan.heads[layer][1:])
-
-    def slice_mlp(layer: int) -> None:
-        apply_mlp(adapter, layer, plan.mlp[layer][1])
-
-    if compensate:
-        cuts = compensation.head_cuts(adapter, plan.heads, slice_heads)
-        for layer, cut in compensation.mlp_cuts(adapter, plan.mlp, slice_mlp).items():
-            cuts.setdefault(layer, []).extend(cut)  # forward order: attention before the MLP
-        report = compensation.run_compensation(
-            model, adapter, dict(sorted(cuts.items())), inputs, compensate, ridge, add_bias
-        )
-    else:
-        for layer in plan.heads:
-            slice_heads(layer)
-        for layer in plan.mlp:
-            slice_mlp(layer)
-    return changes, mlp_changes, report
+    return changes, mlp_changes
 
 
 def unprunable_reason(model: nn.Module, adapter: HeadAdapter) -> str | None:
