@@ -402,7 +402,8 @@ class Pruner:
         if self.rounds > 1 and "calibration" in removal and iter(calibration) is calibration:
             removal["calibration"] = list(calibration)
         kept_at_start = _kept_original(model)
-        first = self.select(model, batches=batches, trace=trace, calibration=calibration)["heads"]  # fixes the total; raises before any change
+        # fixes the total; raises before any change
+        first = self.select(model, batches=batches, trace=trace, calibration=calibration)["heads"]
         total = sum(map(len, first.values()))
         summaries: list[PruneSummary] = []
         self.last_rounds = []
