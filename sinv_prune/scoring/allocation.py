@@ -381,12 +381,12 @@ def _needs_data(context: Context, name: str) -> tuple[nn.Module, list]:
 def _search(groups: list[Group], target: int, context: Context) -> list[int]:
     model, batches = _needs_data(context, "search")
     opts = context.options
-    budget = int(opts.get("budget", 48))
+    budget = int(opts.get("budget", 32))
     offspring = int(opts.get("offspring", 4))
     levels = int(opts.get("levels", 32))
     if budget < 1 or offspring < 1 or levels < 2:
         raise ValueError(f"search: budget, offspring must be >= 1 and levels >= 2, got {budget}, {offspring}, {levels}")
-    batches = _truncate(batches[: int(opts.get("batches", 2))], opts.get("tokens"))
+    batches = _truncate(batches[: int(opts.get("batches", 2))], opts.get("tokens", 256))
     seed_plan = knapsack(groups, standardized_curves(groups), target)
     steps = [_step(g, levels) for g in groups]
     allowed = [set(g.allowed) for g in groups]
