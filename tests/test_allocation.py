@@ -171,3 +171,49 @@ def test_global_magnitude_no_longer_starves_smollm2_layers():
     assert sum(1536 - k for k in kept) == 6240 and min(kept) >= 384
     raw = select_channels(model, scores, 6240, mode="per_layer")  # the other modes are unchanged
     assert sum(map(len, raw.values())) == 6240
+
+
+ISSUE_ARM = {"unit": "mlp", "criterion": "activation", "options": {"metric": "magnitude"}, "amount": {"params": 0.10},
+             "compensate": {"method": "lsq", "batches": 16}}  # fmt: skip
+
+
+def test_the_issue_arm_validates_for_every_allocation():
+    from test_pipeline import TINY
+
+    from sinv_prune.pipeline.recipe import validate_recipe
+
+    arms = [{**ISSUE_ARM, "allocation": a} for a in ("search", "standardized", "sensitivity")]
+    recipe = validate_recipe({**TINY, "prune": {"arms": arms}})
+    assert [a.label for a in recipe.prune.arms] == [
+        f"activation-mlp-p0.1-{a}-lsq" for a in ("search", "standardized", "sensitivity")
+    ]
+    bad = [{**ISSUE_ARM, "allocation": "search", "mode": "uniform"}]
+    with pytest.raises(Exception, match="leave mode at global"):
+        validate_recipe({**TINY, "prune": {"arms": bad}})
+    with pytest.raises(Exception, match="takes no option"):
+        validate_recipe({**TINY, "prune": {"arms": [{**ISSUE_ARM, "allocation": "standardized",
+                                                     "allocation_options": {"budget": 2}}]}})  # fmt: skip
+
+
+def test_the_issue_arm_runs_end_to_end_and_records_its_allocation(tmp_path):
+    import json
+
+    from test_pipeline import TINY, invoke, recipe_file
+
+    arms = [{**ISSUE_ARM, "allocation": "search", "allocation_options": {"budget": 4}},
+            {**ISSUE_ARM, "allocation": "sensitivity", "compensate": {"method": "lsq", "batches": 2}}]  # fmt: skip
+    data = {**TINY, "train": {"max_steps": 2, "batch_size": 8, "learning_rate": 0.003}, "prune": {"arms": arms},
+            "evaluate": {"speed": False}}  # fmt: skip
+    data.pop("finetune")
+    result = invoke(recipe_file(tmp_path, data), "--output", tmp_path / "out", "--quiet")
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    for arm, strategy in zip(results["arms"], ("search", "sensitivity"), strict=True):
+        assert arm["allocation_strategy"] == strategy and arm["channels_removed"] > 0
+        found = arm["allocation"][0]
+        assert found["strategy"] == strategy and found["removed_params"] <= found["target_params"]
+        assert found["removed_params"] == results["baseline"]["params"] - arm["params"]
+        assert found["kept"]["mlp"]["min"] <= found["kept"]["mlp"]["max"] <= 128
+    assert "search" in results["arms"][0]["allocation"][0]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "allocation `search`" in report and "mlp kept" in report
