@@ -19,7 +19,7 @@ from sinv_prune.scoring.allocation import (
     groups_for,
     non_embedding_parameters,
 )
-from sinv_prune.scoring.selection_units import select_channels
+from sinv_prune.scoring.selection_units import select_channels, standardize
 
 
 def _groups(rows, cost=1, multiple=1, least=1):
@@ -46,15 +46,37 @@ def test_standardized_reproduces_flap_per_layer_ratios_by_hand():
     assert found.removed == found.target == 21
 
 
-def test_standardized_puts_heads_and_channels_on_one_scale_by_parameter_cost():
-    """A head costing 4 channels' parameters with a z-score as low as a channel's is worth 4 of them."""
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_standardized_puts_heads_and_channels_on_one_scale_by_parameter_cost(seed):
+    """The knapsack's plan is the brute-force one: the most parameters <= target, then the least sum of
+    (standardised score x parameters) over the removed heads and channels."""
+    import itertools
+    import random
+
     from sinv_prune.arch import get_adapter
+    from sinv_prune.scoring.allocation import standardized_curves
 
     lay = get_adapter(tiny_model("llama", num_hidden_layers=1)).layout(0)  # 6 query heads in 2 KV groups
-    head_group = Group("heads", 0, [0.0, 0.0, 1.0, 5.0, 5.0, 6.0], 4, [0, 2, 4], lay)
-    chan_group = Group("mlp", 0, [-10.0, 0.0, 0.1, 0.2, 0.3, 9.0], 1, [0, 1, 2, 3, 4, 5])
-    found = allocate("standardized", [head_group, chan_group], 8)
-    assert found.removed == 8 and sum(found.counts.values()) >= 2
+    rng = random.Random(seed)
+    groups = [
+        Group("heads", 0, [rng.random() for _ in range(6)], 12, [0, 2, 4], lay),
+        Group("heads", 1, [rng.random() for _ in range(6)], 12, [0, 2, 4], lay),
+        Group("mlp", 0, [rng.random() for _ in range(8)], 5, list(range(7))),
+        Group("mlp", 1, [rng.random() ** 3 for _ in range(8)], 5, list(range(7))),
+    ]
+    target = 61
+    curves = standardized_curves(groups)
+    best = min(
+        (-sum(k * g.cost for k, g in zip(combo, groups, strict=True)),
+         sum(c[g.allowed.index(k)] for k, g, c in zip(combo, groups, curves, strict=True)), combo)
+        for combo in itertools.product(*(g.allowed for g in groups))
+        if sum(k * g.cost for k, g in zip(combo, groups, strict=True)) <= target
+    )  # fmt: skip
+    found = allocate("standardized", groups, target)
+    assert tuple(found.counts[g.unit, g.layer] for g in groups) == best[2]
+    # a head's z-score counts once per parameter: its curve is the removed heads' z-sum times 12
+    z = standardize(groups[0].scores)
+    assert curves[0][1] == pytest.approx(12 * sum(z[h] for h in groups[0].pick(2, z)))
 
 
 def test_global_channels_are_standardised_and_keep_a_quarter():
@@ -157,6 +179,7 @@ def test_params_amount_works_for_the_selection_modes_too():
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_global_magnitude_no_longer_starves_smollm2_layers():
     """Issue 17's case: global Wanda on SmolLM2's MLP at -10% (6240 channels) left a layer 141 of 1536 channels."""
     import transformers
