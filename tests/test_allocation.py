@@ -240,3 +240,12 @@ def test_the_issue_arm_runs_end_to_end_and_records_its_allocation(tmp_path):
     assert "search" in results["arms"][0]["allocation"][0]
     report = (tmp_path / "out" / "report.md").read_text()
     assert "allocation `search`" in report and "mlp kept" in report
+
+
+def test_a_params_target_beyond_the_constraints_exits_2_before_any_output(tmp_path):
+    from test_pipeline import TINY, invoke, recipe_file
+
+    arm = {**ISSUE_ARM, "amount": {"params": 0.9}, "allocation": "standardized"}
+    result = invoke(recipe_file(tmp_path, {**TINY, "prune": {"arms": [arm]}}), "--output", tmp_path / "out")
+    assert result.exit_code == 2 and "prune.arms[0].amount" in result.output
+    assert "the constraints let at most" in result.output and not (tmp_path / "out").exists()
