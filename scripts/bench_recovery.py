@@ -307,8 +307,8 @@ def run(argv=None) -> int:
           f"heads = {heads} heads, {count_parameters(base):,} parameters")  # fmt: skip
     print(f"evaluation: WikiText-2 test.txt, first {test_ids.numel():,} tokens, windows of {args.seq_len}, float32")
     print(f"calibration: {args.calib_batches} x {args.calib_seq_len} valid.txt tokens (taylor / activation score on "
-          f"the first {args.score_batches}); lsq ridge 0.1 (the default); bias rows use add_bias=True "
-          f"(LLaMA's o_proj has no bias)")  # fmt: skip
+          f"the first {args.score_batches}); lsq ridge picked on held-out calibration tokens (the default); "
+          f"bias rows use add_bias=True (LLaMA's o_proj has no bias)")  # fmt: skip
     print(
         f"fine-tune and distillation: {args.steps} steps x {args.batch} x {args.ft_seq_len} valid.txt tokens "
         f"after the calibration ones ({len(ft_data)} blocks), run_trainer, AdamW lr {args.lr:g} constant, clip "

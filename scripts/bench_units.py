@@ -29,6 +29,13 @@ reference fine-tune, distillation rows); after ``--max-minutes`` no later row st
 
     OMP_NUM_THREADS=2 python scripts/bench_recovery.py --units --threads 2 --json units.json
     python scripts/bench_recovery.py --units --quick     # seconds; tiny random LLaMA, tests the script only
+
+``--allocations uniform standardized sensitivity search`` (issue 17) replaces the arms by one row per
+allocation and cut: MLP channels (Wanda, ``multiple=8``), ``amount={"params": cut}``, one-shot with lsq
+(``--alloc-methods`` adds plain rows), with the kept widths' range, whether the result loads on the stock
+class, and the allocation's own time (search: its fitness before / after):
+
+    OMP_NUM_THREADS=2 python scripts/bench_recovery.py --units --allocations uniform standardized sensitivity search
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ import _bench_setup as setup  # noqa: E402
 
 from sinv_prune import Part, Pruner, count_parameters, get_adapter  # noqa: E402
 from sinv_prune.pipeline.stages import StoredScores  # noqa: E402
+from sinv_prune.scoring.allocation import ALLOCATIONS  # noqa: E402
+from sinv_prune.surgery.record import get_record  # noqa: E402
 
 CUTS = (0.10, 0.25)
 ARMS = ("heads", "mlp", "layers", "mix")
@@ -63,6 +72,11 @@ def parse(argv):
     ap.add_argument("--units", action="store_true", help="this mode (bench_recovery.py passes it on)")
     ap.add_argument("--quick", action="store_true", help="tiny random LLaMA, tiny budgets: tests the script only")
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    ap.add_argument("--allocations", nargs="+", choices=ALLOCATIONS,
+                    help="instead of the arms: MLP-channel rows per allocation (issue 17)")  # fmt: skip
+    ap.add_argument("--alloc-methods", nargs="+", choices=("none", "lsq"), default=["lsq"],
+                    help="compensation of the allocation rows (default lsq)")  # fmt: skip
+    ap.add_argument("--search-budget", type=int, help="search allocation: fitness evaluations (default: the library's)")
     ap.add_argument("--cuts", nargs="+", type=float, default=list(CUTS), help="fractions of non-embedding params")
     ap.add_argument("--eval-tokens", type=int, help="test.txt tokens evaluated (default 16384)")
     ap.add_argument("--seq-len", type=int, help="perplexity window (default 512)")
@@ -313,6 +327,88 @@ def winners(rows: list[dict], cuts) -> dict:
     return out
 
 
+# -- allocations (issue 17) -------------------------------------------------------------------------
+
+
+def allocation_row(bench, c: Costs, cut: float, allocation: str, comp: str | None, scores: dict) -> dict:
+    """MLP channels by Wanda, ``{"params": cut}``, spread over layers by ``allocation``; one-shot (+ ``comp``)."""
+    start = time.perf_counter()
+    model = bench.fresh()
+    name, _ = CRITERIA["mlp"]
+    keys = {"mode": "uniform"} if allocation == "uniform" else {"allocation": allocation}
+    if allocation == "search" and bench.args.search_budget:
+        keys["allocation_options"] = {"budget": bench.args.search_budget}
+    part = Part("mlp", StoredScores(name, "mlp", scores["mlp"]), {"params": cut}, multiple=MULTIPLE,
+                seed=bench.args.seed, **keys)  # fmt: skip
+    pruner = Pruner([part], compensate=comp)
+    summary = pruner.prune(model, batches=bench.calib, calibration=bench.calib)
+    value = setup.ppl(model, bench.test_ids, bench.args, bench.device)
+    widths = get_adapter(model).layers()
+    kept = [get_adapter(model).intermediate_size(i) for i in range(len(widths))]
+    removed = summary.params_before - summary.params_after
+    found = pruner.last_allocation[0] if pruner.last_allocation else {}
+    r = {"cut": cut, "allocation": allocation, "method": comp or "none", "channels_removed": summary.channels_removed,
+         "params_removed": removed, "share": c.share(removed), "ppl": value, "kept_min": min(kept),
+         "kept_max": max(kept), "kept": kept, "stock": bool(get_record(model.config).stock_layout),
+         "allocation_s": found.get("seconds"), "search": found.get("search"),
+         "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+    if summary.compensation is not None:
+        r["compensation_s"] = round(summary.compensation.seconds, 1)
+    extra = ""
+    if r["search"]:
+        extra = f", KL {r['search']['seed_fitness']:.5f} -> {r['search']['best_fitness']:.5f}"
+    print(f"  {cut:>4.0%} {allocation:<12} {r['method']:<4} {r['channels_removed']:>6} channels -{r['share']:.2%}  "
+          f"widths {r['kept_min']}-{r['kept_max']}  ppl {value:8.2f}  [{r['seconds']:.0f} s, allocation "
+          f"{r['allocation_s'] or 0:.0f} s{extra}]", flush=True)  # fmt: skip
+    del model
+    return r
+
+
+def allocation_table(rows: list[dict], ref: float) -> str:
+    lines = []
+    for r in rows:
+        search = r.get("search")
+        note = f"KL {search['seed_fitness']:.4f} -> {search['best_fitness']:.4f}" if search else ""
+        lines.append([f"-{r['cut']:.0%}", r["allocation"], r["method"], f"{r['channels_removed']}",
+                      f"{r['share']:.2%}", f"{r['kept_min']}-{r['kept_max']}", "yes" if r["stock"] else "no",
+                      f"{r['ppl']:.2f}", f"{r['ppl'] / ref:.3f}", f"{r['allocation_s'] or 0:.0f}", note])  # fmt: skip
+    return common.table(["cut", "allocation", "comp.", "channels removed", "non-emb. removed", "kept widths",
+                         "stock class", "ppl", "ratio", "allocation s", "search"], lines, "lllrrllrrrl")  # fmt: skip
+
+
+def allocation_run(args, bench, c: Costs, refs: dict, scores: dict, result: dict, model_info, test_ids, info,
+                   t_start) -> int:  # fmt: skip
+    rows: list[dict] = []
+    partial = {**result, "model": model_info, "references": refs, "rows": rows}
+    for cut in args.cuts:
+        for allocation in args.allocations:
+            for method in args.alloc_methods:
+                rows.append(allocation_row(bench, c, cut, allocation, None if method == "none" else method, scores))
+                common.write_json(args.json, partial)
+    print(f"\nunpruned perplexity {refs['unpruned']:.2f}; MLP channels by Wanda (activation, metric magnitude), "
+          f"multiple {MULTIPLE}; ratios to the unpruned model")  # fmt: skip
+    print(allocation_table(rows, refs["unpruned"]))
+    limits = {0.10: 1.10, 0.25: 1.60}
+    lines = []
+    for cut in args.cuts:
+        found = [r for r in rows if r["cut"] == cut and r["method"] != "none"] or [r for r in rows if r["cut"] == cut]
+        best = min(found, key=lambda r: r["ppl"])
+        ratio, limit = best["ppl"] / refs["unpruned"], limits.get(round(cut, 2))
+        verdict = "-" if limit is None else "PASS" if ratio <= limit else f"FAIL by {(ratio - limit) * 100:.1f} points"
+        lines.append([f"-{cut:.0%} one-shot with compensation", "-" if limit is None else f"<= {limit:.2f}",
+                      f"{best['ppl']:.2f}, {ratio:.3f}", best["allocation"], verdict])  # fmt: skip
+    print("\ntargets (issue 17):")
+    print(common.table(["target", "ratio limit", "best measured", "allocation", "verdict"], lines, "lrrll"))
+    elapsed = time.perf_counter() - t_start
+    common.finish(info)
+    print(f"elapsed {elapsed:.0f} s")
+    result.update({"model": model_info, "costs": {**vars(c), "non_embedding": c.non_embedding},
+                   "eval_tokens": int(test_ids.numel()), "references": refs, "rows": rows,
+                   "elapsed_s": round(elapsed, 1)})  # fmt: skip
+    common.write_json(args.json, result)
+    return 0
+
+
 # -- main -------------------------------------------------------------------------------------------
 
 
@@ -340,8 +436,8 @@ def run(argv=None, script: str = __file__) -> int:
           f"MLP channels")  # fmt: skip
     print("cuts: " + "; ".join(f"{cut:.0%} = {cut * c.non_embedding:,.0f} parameters" for cut in args.cuts))
     print(f"evaluation: WikiText-2 test.txt, first {test_ids.numel():,} tokens, windows of {args.seq_len}, float32")
-    print(f"calibration: {args.calib_batches} x {args.calib_seq_len} valid.txt tokens for lsq (ridge 0.1, the "
-          f"default); criteria score on the first {args.score_batches}")  # fmt: skip
+    print(f"calibration: {args.calib_batches} x {args.calib_seq_len} valid.txt tokens for lsq (ridge picked on "
+          f"held-out tokens, the default); criteria score on the first {args.score_batches}")  # fmt: skip
     print(f"distillation: {args.steps} steps x {args.batch} x {args.ft_seq_len} valid.txt tokens after the "
           f"calibration ones, run_trainer, AdamW lr {args.lr:g} constant, clip 1.0, alpha {args.alpha:g}, "
           f"temperature {args.temperature:g}, teacher the unpruned model; reference: the unpruned model "
@@ -354,6 +450,14 @@ def run(argv=None, script: str = __file__) -> int:
     print(f"  unpruned: ppl {refs['unpruned']:.2f}  [{time.perf_counter() - start:.0f} s]", flush=True)
     start = time.perf_counter()
     scores = {}
+    if args.allocations:
+        name, options = CRITERIA["mlp"]
+        t0 = time.perf_counter()
+        scores["mlp"] = Part("mlp", name, 0, criterion_options=options, seed=args.seed).criterion.compute(
+            base, bench.score_batches
+        )
+        print(f"  scores mlp ({name}): {time.perf_counter() - t0:.1f} s", flush=True)
+        return allocation_run(args, bench, c, refs, scores, result, model_info, test_ids, info, t_start)
     for unit, (name, options) in CRITERIA.items():
         t0 = time.perf_counter()
         part = Part(unit, name, 0, criterion_options=options, seed=args.seed)

@@ -308,6 +308,22 @@ def test_bench_recovery_units_quick(tmp_path, capsys, common):
     assert len(result["targets"]) == 2 and all(isinstance(t["pass"], bool) for t in result["targets"])
 
 
+def test_bench_units_allocations_quick(tmp_path, capsys, common):
+    """Issue 17's rows: one per allocation, each at most its parameter target, widths and stock loading named."""
+    _need_wikitext(common)
+    argv = ["--units", "--quick", "--threads", "1", "--cuts", "0.1", "--allocations", "uniform", "search",
+            "--search-budget", "3", "--json", str(tmp_path / "a.json")]  # fmt: skip
+    result, out = _run("bench_recovery", argv, capsys)
+    _header(out, "bench_recovery", argv)
+    assert "targets (issue 17)" in out and "| stock class |" in out
+    uniform, search = result["rows"]
+    non_embedding = result["costs"]["non_embedding"]
+    for r in (uniform, search):
+        assert r["method"] == "lsq" and 0 < r["params_removed"] <= 0.1 * non_embedding and r["ppl"] > 1
+    assert uniform["stock"] and uniform["kept_min"] == uniform["kept_max"]
+    assert search["search"]["evaluations"] == 3 and search["search"]["best_fitness"] <= search["search"]["seed_fitness"]
+
+
 def test_bench_units_amounts_match_smollm2_cuts():
     """SmolLM2-135M's unit costs: every arm lands within its unit's granularity of 10% / 25%."""
     _script("_bench_common")  # puts scripts/ on sys.path

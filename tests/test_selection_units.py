@@ -10,6 +10,7 @@ import pytest
 from conftest import tiny_model
 
 from sinv_prune import select_channels, select_layers
+from sinv_prune.scoring.selection_units import standardize
 
 
 def random_scores(sizes: list[int], seed: int = 0) -> list[list[float]]:
@@ -21,11 +22,14 @@ def kept_counts(sizes: list[int], removed: dict[int, list[int]]) -> list[int]:
     return [n - len(removed.get(layer, [])) for layer, n in enumerate(sizes)]
 
 
-def test_global_removes_the_lowest_scores_skipping_layers_at_their_minimum():
+def test_global_removes_the_lowest_standardised_scores_skipping_layers_at_their_minimum():
+    """Global ranks (s - mean) / std within each layer (issue 17): layers 0 and 1 standardise alike
+    (z = -1.46, -0.88, -0.29, ...), layer 2's two outliers to -1.41 and -1.39; raw scores would have
+    taken layer 0's first two instead of one from each of layers 0 and 1."""
     sizes = [6, 6, 6]
     scores = [[0.0, 0.1, 0.2, 0.3, 0.4, 0.5], [5, 6, 7, 8, 9, 10], [0.05, 0.15, 11, 12, 13, 14]]
-    assert select_channels(sizes, scores, 4) == {0: [0, 1], 2: [0, 1]}
-    assert select_channels(sizes, scores, 8, min_channels_per_layer=2) == {0: [0, 1, 2, 3], 1: [0, 1], 2: [0, 1]}
+    assert select_channels(sizes, scores, 4) == {0: [0], 1: [0], 2: [0, 1]}
+    assert select_channels(sizes, scores, 8, min_channels_per_layer=2) == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1]}
 
 
 def test_per_layer_spreads_the_cut_over_layers_whatever_the_scale():
@@ -34,7 +38,8 @@ def test_per_layer_spreads_the_cut_over_layers_whatever_the_scale():
     removed = select_channels(sizes, scores, 0.5, mode="per_layer")
     assert kept_counts(sizes, removed) == [4, 4, 2]
     assert removed[2] == [0, 3]
-    assert select_channels(sizes, scores, 5)[2] == [0, 2, 3]  # global: the low-scale layer first, down to 1
+    # global no longer takes the low-scale layer first (down to 1): its scores are standardised first
+    assert select_channels(sizes, scores, 5) == {0: [3, 7], 1: [4, 7], 2: [0]}
 
 
 def brute_force(sizes, ranks, wanted, min_keep, multiple):
@@ -59,7 +64,8 @@ def brute_force(sizes, ranks, wanted, min_keep, multiple):
 def test_multiple_keeps_multiples_at_the_least_cost(multiple, min_keep, wanted, caplog):
     sizes = [8, 10, 7]
     scores = random_scores(sizes, seed=multiple)
-    flat = sorted((s, layer, c) for layer, row in enumerate(scores) for c, s in enumerate(row))
+    z = [standardize(row) for row in scores]  # global mode ranks standardised scores
+    flat = sorted((s, layer, c) for layer, row in enumerate(z) for c, s in enumerate(row))
     rank = {(layer, c): i for i, (_, layer, c) in enumerate(flat)}
     ranks = [[rank[layer, c] for c in range(n)] for layer, n in enumerate(sizes)]
     with caplog.at_level(logging.WARNING, logger="sinv_prune"):
@@ -120,7 +126,8 @@ def test_shortfall_warns_or_raises(caplog):
     ("kwargs", "message"),
     [
         ({"amount": 17}, "amount 17 is larger than the 16 channels of the model"),
-        ({"amount": 15}, "amount 15 is larger than the 14 channels that may be removed"),
+        ({"amount": 15}, "amount 15 is larger than the 12 channels that may be removed"),  # a quarter stays
+        ({"amount": 15, "min_channels_per_layer": 1}, "larger than the 14 channels that may be removed"),
         ({"amount": 1.5}, r"a float amount is a fraction in \[0, 1\]"),
         ({"amount": -1}, "amount must be a non-negative integer"),
         ({"amount": 2, "mode": "local"}, "unknown selection mode 'local'"),

@@ -256,6 +256,10 @@ def check_amount(part, adapter: HeadAdapter, layouts: list[HeadLayout], where: s
     from sinv_prune.scoring.selection import select_heads
 
     amount, layers = part.amount, adapter.num_layers
+    if isinstance(amount, dict) or part.allocation != "uniform":
+        amount = _check_params_amount(part, adapter, where)
+        if amount is None:
+            return
     if part.unit == "layers":
         if isinstance(amount, int) and amount >= layers:
             raise RecipeError(f"{where}: {amount} layers requested, the model has {layers} (one must stay)")
@@ -285,6 +289,43 @@ def check_amount(part, adapter: HeadAdapter, layouts: list[HeadLayout], where: s
         )
     except ValueError as err:
         raise RecipeError(f"{where}: {_first_line(err)}") from None
+
+
+def _check_params_amount(part, adapter: HeadAdapter, where: str) -> int | None:
+    """A ``{params: f}`` amount or a non-uniform allocation, checked on the meta model.
+
+    Returns the unit count the selection's own modes will get (``uniform`` allocation), else None.
+    """
+    from sinv_prune.scoring.allocation import groups_for
+    from sinv_prune.scoring.pruner import _Budget
+
+    model, layers = adapter.model, list(range(adapter.num_layers))
+    budget = _Budget(model)
+    if part.unit == "layers":
+        count = budget.layers(part.amount, layers)
+        if count >= len(layers):
+            raise RecipeError(f"{where}: {count} layers requested, the model has {len(layers)} (one must stay)")
+        if count == 0:
+            raise RecipeError(f"{where}: {part.amount['params']:g} of the parameters is less than one layer")
+        return None
+    if part.allocation == "uniform":
+        count = budget.units(part.amount, part.unit, layers)
+        if count == 0:
+            raise RecipeError(f"{where}: {part.amount['params']:g} of the parameters is less than one {part.unit} unit")
+        return count
+    heads = part.unit == "heads"
+    sizes = [adapter.layout(i).num_heads if heads else adapter.intermediate_size(i) for i in layers]
+    least = part.min_heads_per_layer if heads else part.min_channels_per_layer
+    try:
+        groups = groups_for(model, part.unit, [[0.0] * n for n in sizes], layers, min_per_layer=least,
+                            multiple=part.multiple or 1, shape=part.layout)  # fmt: skip
+        target = budget.params(part.amount, part.unit, layers)
+    except ValueError as err:
+        raise RecipeError(f"{where}: {_first_line(err)}") from None
+    most = sum(g.allowed[-1] * g.cost for g in groups)
+    if target > most:
+        raise RecipeError(f"{where}: {target:,} parameters requested, the constraints let at most {most:,} go")
+    return None
 
 
 def _check_criterion(lookup, name: str, where: str) -> None:

@@ -395,6 +395,8 @@ PART_KEYS = (
     "multiple",
     "min_channels_per_layer",
     "seed",
+    "allocation",
+    "allocation_options",
 )
 _HEADS_ONLY = ("layout", "min_heads_per_layer")
 _MLP_ONLY = ("multiple", "min_channels_per_layer")
@@ -406,7 +408,18 @@ def _given(model: BaseModel, keys: tuple[str, ...]) -> list[str]:
     return [k for k in keys if k in model.model_fields_set and getattr(model, k) != default[k]]
 
 
+#: How a part's cut is spread over layers (:mod:`sinv_prune.scoring.allocation`); uniform: the ``mode`` decides.
+Allocation = Literal["uniform", "standardized", "sensitivity", "search"]
+
+
 def _positive_amount(v):
+    if isinstance(v, dict):
+        if set(v) != {"params"}:
+            raise ValueError(f"an amount mapping takes one key, params (a fraction of the parameters), got {sorted(v)}")
+        f = v["params"]
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < 1:
+            raise ValueError(f"amount.params is a fraction in (0, 1) of the non-embedding parameters, got {f!r}")
+        return {"params": float(f)}
     if isinstance(v, bool) or v <= 0:
         raise ValueError("amount must be a positive count or a fraction in (0, 1)")
     if isinstance(v, float) and not v.is_integer() and v >= 1:
@@ -427,13 +440,15 @@ class PartSpec(Strict):
     criterion: str
     options: dict[str, Any] = Field(default_factory=dict)
     unit: Literal["heads", "mlp", "layers"] = "heads"
-    amount: float | int
+    amount: dict[str, float] | float | int
     mode: Literal["global", "per_layer", "uniform"] = "global"
     layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
     min_heads_per_layer: int = Field(1, ge=0)
     multiple: int | None = Field(None, gt=0)
     min_channels_per_layer: int | None = Field(None, ge=0)
     seed: int = 0
+    allocation: Allocation = "uniform"
+    allocation_options: dict[str, Any] = Field(default_factory=dict)
 
     _positive = field_validator("amount")(_positive_amount)
 
@@ -445,14 +460,37 @@ class PartSpec(Strict):
             raise ValueError(f"{_given(self, _MLP_ONLY)[0]!r} is for unit mlp only, not {self.unit}")
         if self.unit == "layers" and self.mode != "global":
             raise ValueError(f"unit layers takes mode 'global' only, not {self.mode!r}")
+        _check_allocation(self)
         return self
 
     def label(self, with_unit: bool = False) -> str:
-        """``criterion[-unit]-amount-mode[-layout]``; the unit is named unless it is heads (or ``with_unit``)."""
+        """``criterion[-unit]-amount-mode[-layout]``; the unit is named unless it is heads (or ``with_unit``).
+
+        A ``{params: f}`` amount reads ``p<f>``; a non-uniform allocation replaces the mode.
+        """
         unit = f"-{self.unit}" if with_unit or self.unit != "heads" else ""
         default = type(self).model_fields["layout"].default
         layout = "" if self.unit != "heads" or self.layout == default else f"-{self.layout}"
-        return f"{self.criterion}{unit}-{self.amount}-{self.mode}{layout}"
+        amount = f"p{self.amount['params']:g}" if isinstance(self.amount, dict) else self.amount
+        spread = self.mode if self.allocation == "uniform" else self.allocation
+        return f"{self.criterion}{unit}-{amount}-{spread}{layout}"
+
+
+def _check_allocation(part) -> None:
+    """An allocation's own rules, in the schema's words (the library checks them again)."""
+    from sinv_prune.scoring.allocation import check_allocation
+
+    if part.allocation == "uniform":
+        if part.allocation_options:
+            raise ValueError("allocation_options need an allocation other than uniform")
+        return
+    if part.unit == "layers":
+        raise ValueError(f"allocation {part.allocation!r} spreads heads or channels; unit layers takes uniform")
+    if part.mode != "global":
+        raise ValueError(f"allocation {part.allocation!r} decides how layers share the cut; leave mode at global")
+    if part.unit == "heads" and part.layout != "q_per_group":
+        raise ValueError(f"allocation {part.allocation!r} needs layout q_per_group, not {part.layout!r}")
+    check_allocation(part.allocation, part.allocation_options)
 
 
 class ArmSpec(Strict):
@@ -473,19 +511,30 @@ class ArmSpec(Strict):
     ``compensate`` (:class:`CompensateSpec`) re-fits what remains after the heads go;
     ``rounds: k`` reaches the amount in k rounds, re-scoring the pruned model (and compensating,
     when set) each round (see :class:`sinv_prune.HeadPruner`); heads-only arms only.
+
+    ``amount: {params: 0.10}`` is a fraction of the non-embedding parameters. ``allocation``
+    (``uniform``, the default: ``mode`` decides; ``standardized``, ``sensitivity``, ``search``)
+    decides how many heads / channels each layer loses (:mod:`sinv_prune.scoring.allocation`;
+    options in ``allocation_options``); parts of one arm with the same non-uniform allocation
+    pool their parameter targets, and the allocation splits the sum between heads and channels::
+
+        - {unit: mlp, criterion: activation, options: {metric: magnitude}, amount: {params: 0.10},
+           allocation: search, compensate: {method: lsq, batches: 16}}
     """
 
     name: str | None = None
     criterion: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
     unit: Literal["heads", "mlp", "layers"] = "heads"
-    amount: float | int | None = None
+    amount: dict[str, float] | float | int | None = None
     mode: Literal["global", "per_layer", "uniform"] = "global"
     layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
     min_heads_per_layer: int = Field(1, ge=0)
     multiple: int | None = Field(None, gt=0)
     min_channels_per_layer: int | None = Field(None, ge=0)
     seed: int = 0
+    allocation: Allocation = "uniform"
+    allocation_options: dict[str, Any] = Field(default_factory=dict)
     parts: list[PartSpec] | None = Field(None, min_length=1)
     compensate: CompensateSpec | None = None
     rounds: int = Field(1, ge=1)

@@ -161,6 +161,19 @@ def _kept(comp: dict) -> str:
             f"({comp['heldout_tokens']:,} tokens): kept the {comp['kept']} model")  # fmt: skip
 
 
+def allocation_note(results: dict) -> str | None:
+    """How arms with a non-uniform allocation spread their cut: strategy, parameters, kept widths' range."""
+    notes = []
+    for arm in results["arms"]:
+        for found in arm.get("allocation") or []:
+            kept = "; ".join(f"{u} kept {w['min']}-{w['max']} per layer" for u, w in found.get("kept", {}).items())
+            search = found.get("search")
+            fit = f"; search KL {search['seed_fitness']:.4g} -> {search['best_fitness']:.4g}" if search else ""
+            notes.append(f"`{arm['name']}`: allocation `{found['strategy']}`, {found['removed_params']:,} of "
+                         f"{found['target_params']:,} target parameters removed; {kept}{fit}.")  # fmt: skip
+    return " ".join(notes) or None
+
+
 def markdown_report(results: dict, recipe: Recipe) -> str:
     rows = summary_rows(results)
     run = results.get("run", {})
@@ -179,7 +192,7 @@ def markdown_report(results: dict, recipe: Recipe) -> str:
     note = speed_note(results)
     if note:
         lines += ["", note]
-    for note in (distill_note(results), recovery_note(results)):
+    for note in (distill_note(results), recovery_note(results), allocation_note(results)):
         if note:
             lines += ["", note]
     crossed = [a for a in results["arms"] if "crossed" in a.get("score_report", {})]

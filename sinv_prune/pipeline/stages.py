@@ -348,7 +348,7 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
     criteria = [c if c is not None else part_criterion(p) for p, c in zip(parts, given, strict=True)]
     options = arm.compensate.prune_options() if arm.compensate else {}
     compensate = options.pop("compensate", None)
-    if arm.heads_only:
+    if arm.heads_only and parts[0].allocation == "uniform" and not isinstance(parts[0].amount, dict):
         part = parts[0]
         return HeadPruner(
             criteria[0],
@@ -371,6 +371,8 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
                 extra["multiple"] = part.multiple
             if part.min_channels_per_layer is not None:
                 extra["min_per_layer"] = part.min_channels_per_layer
+        if part.allocation != "uniform":
+            extra.update(allocation=part.allocation, allocation_options=part.allocation_options or None)
         built.append(Part(part.unit, criterion, part.amount, mode=part.mode, seed=part.seed, **extra))
     return Pruner(built, rounds=arm.rounds, compensate=compensate, compensation_options=options)
 
@@ -483,7 +485,14 @@ def stage_prune(run: Run) -> None:
             summary = pruner.prune(model, batches=batches, trace=trace, calibration=calibration)
             state["rounds"] = pruner.last_rounds
         else:
-            summary = arm_pruner(run, arm, stored_criteria(arm, scores)).prune(model, calibration=calibration)
+            pruner = arm_pruner(run, arm, stored_criteria(arm, scores))
+            # sensitivity / search measure on the calibration batches, else on the scoring ones
+            measured = any(p.allocation in ("sensitivity", "search") for p in arm.part_specs)
+            batches = list(_score_batches(run)) if measured and calibration is None else None
+            pruner.quiet = run.quiet
+            summary = pruner.prune(model, batches=batches, calibration=calibration)
+            if getattr(pruner, "last_allocation", None):
+                state["allocation"] = pruner.last_allocation
         path = run.root / "arms" / _safe(arm.label) / "pruned"
         _save_model(model, run.tokenizer, path)
         record = model.config.sinv_prune
@@ -677,6 +686,7 @@ def stage_evaluate(run: Run) -> dict:
             **_arm_fields(arm),
             "compensate": arm.compensate.model_dump() if arm.compensate else None,
             "compensation": state.get("compensation"),
+            "allocation": [_allocation_row(a) for a in state.get("allocation", [])] or None,
             "rounds": arm.rounds,
             "per_round": state.get("rounds"),
             "heads_removed": state["heads_removed"],
@@ -734,6 +744,7 @@ def _arm_fields(arm: ArmSpec) -> dict[str, Any]:
         "options": one.options if one else None,
         "amount": one.amount if one else None,
         "mode": one.mode if one else None,
+        "allocation_strategy": one.allocation if one else None,
         "layout": one.layout if one and one.unit == "heads" else None,
         "seed": one.seed if one else None,
     }
@@ -777,6 +788,15 @@ def stage_export(run: Run, results: dict) -> dict:
     write_json(path, out)
     run.dir.finish("export")
     return {**results, "gguf": out}
+
+
+def _allocation_row(found: dict) -> dict:
+    """An arm's allocation for results.json: strategy, parameters, kept widths' range (search: its fitness)."""
+    row = {k: found[k] for k in ("units", "strategy", "target_params", "removed_params", "seconds") if k in found}
+    row["kept"] = {u: {"min": w["min"], "max": w["max"]} for u, w in found.get("kept", {}).items()}
+    if "search" in found:
+        row["search"] = {k: found["search"][k] for k in ("seed_fitness", "best_fitness", "evaluations")}
+    return row
 
 
 def stage_report(run: Run, results: dict) -> None:

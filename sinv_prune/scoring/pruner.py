@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,9 +18,26 @@ from typing import Any
 from torch import nn
 
 from sinv_prune.arch import get_adapter
+from sinv_prune.scoring.allocation import (
+    Context,
+    allocate,
+    channel_cost,
+    check_allocation,
+    groups_for,
+    head_cost,
+    non_embedding_parameters,
+)
 from sinv_prune.scoring.criteria import Criterion, Scores, TraceLike, criterion_class, get_criterion
 from sinv_prune.scoring.criteria.base import UNITS, channel_counts
-from sinv_prune.scoring.selection import DEFAULT_LAYOUT, MODES, _nonnegative, check_layout, model_layouts, select_heads
+from sinv_prune.scoring.selection import (
+    DEFAULT_LAYOUT,
+    MODES,
+    _count,
+    _nonnegative,
+    check_layout,
+    model_layouts,
+    select_heads,
+)
 from sinv_prune.scoring.selection_units import select_channels, select_layers
 from sinv_prune.surgery import compensation
 from sinv_prune.surgery import removal as surgery
@@ -57,14 +75,16 @@ class Part:
 
     unit: str
     criterion: str | Criterion
-    amount: int | float
+    amount: int | float | Mapping[str, float]
     mode: str = "global"
     criterion_options: Mapping[str, Any] | None = None
     layout: str = DEFAULT_LAYOUT
-    min_per_layer: int = 1
+    min_per_layer: int | None = None
     multiple: int = 1
     seed: int = 0
     exact: bool = False
+    allocation: str | None = None
+    allocation_options: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         if self.unit not in UNITS:
@@ -72,13 +92,19 @@ class Part:
         if self.mode not in MODES:
             raise ValueError(f"unknown selection mode {self.mode!r}; choose one of {', '.join(MODES)}")
         check_layout(self.layout)
+        self.amount = check_amount(self.amount)
+        if self.allocation is not None:
+            check_allocation(self.allocation, self.allocation_options)
+            self._check_allocation(self.allocation)
+        elif self.allocation_options:
+            raise ValueError("allocation_options need an allocation")
         if self.unit != "heads" and self.layout != DEFAULT_LAYOUT:
             raise ValueError(f"layout applies to heads parts only, not {self.unit!r}")
         if self.unit != "mlp" and self.multiple != 1:
             raise ValueError(f"multiple applies to mlp parts only, not {self.unit!r}")
         if self.unit == "layers" and self.mode != "global":
             raise ValueError(f"a layers part has one score per layer; its mode must be 'global', got {self.mode!r}")
-        least = _nonnegative(self.min_per_layer, "min_per_layer")
+        least = 1 if self.min_per_layer is None else _nonnegative(self.min_per_layer, "min_per_layer")
         if self.unit != "heads" and least < 1:
             raise ValueError(f"min_per_layer must be at least 1 for {self.unit!r} (0 would empty the model or an MLP)")
         if self.unit == "mlp" and (isinstance(self.multiple, bool) or _nonnegative(self.multiple, "multiple") < 1):
@@ -98,18 +124,32 @@ class Part:
                 f"(build it with get_criterion(name, unit={self.unit!r}))"
             )
 
+    def _check_allocation(self, allocation: str) -> None:
+        """A non-uniform allocation decides per-layer amounts itself: heads or mlp parts, mode left 'global'."""
+        if allocation == "uniform":
+            return
+        if self.unit == "layers":
+            raise ValueError(f"allocation {allocation!r} spreads heads or channels; a layers part takes 'uniform'")
+        if self.mode != "global":
+            raise ValueError(f"allocation {allocation!r} decides how layers share the cut; mode must be 'global'")
+        if self.unit == "heads" and self.layout != "q_per_group":
+            raise ValueError(f"allocation {allocation!r} needs layout 'q_per_group' for heads, got {self.layout!r}")
+
     def report(self) -> dict:
         """The part's settings and its criterion's report (JSON-serialisable)."""
         out = {
             "unit": self.unit,
             "criterion": self.criterion.name,
             "criterion_report": self.criterion.report(),
-            "amount": self.amount,
+            "amount": dict(self.amount) if isinstance(self.amount, Mapping) else self.amount,
             "mode": self.mode,
             "min_per_layer": self.min_per_layer,
             "seed": self.seed,
             "exact": self.exact,
+            "allocation": self.allocation,
         }
+        if self.allocation_options:
+            out["allocation_options"] = dict(self.allocation_options)
         if self.unit == "heads":
             out["layout"] = self.layout
         if self.unit == "mlp":
@@ -154,6 +194,7 @@ class Pruner:
         compensate: str | None = None,
         compensation_options: Mapping[str, Any] | None = None,
         allow_empty_layers: bool | None = None,
+        allocation: str | None = None,
     ):
         parts = list(parts) if isinstance(parts, Sequence) and not isinstance(parts, str) else None
         if not parts:
@@ -165,7 +206,15 @@ class Pruner:
         if len(set(units)) != len(units):
             raise ValueError(f"one part per unit; got units {units}")
         self.parts = sorted(parts, key=lambda p: UNITS.index(p.unit) if p.unit != "layers" else -1)
+        if allocation is not None:
+            check_allocation(allocation)
+            for part in parts:
+                if part.allocation is None and part.unit != "layers":
+                    part._check_allocation(allocation)
+        self.allocation = allocation
         self.rounds = _rounds(rounds)
+        if self.rounds > 1 and any(self.allocation_of(p) != "uniform" for p in self.parts):
+            raise ValueError("rounds > 1 re-select with the part's mode; a non-uniform allocation needs rounds=1")
         if self.rounds > 1 and units != ["heads"]:
             raise ValueError(
                 f"rounds > 1 is supported for heads-only pruners; parts {units} must be pruned in one round (rounds=1)"
@@ -179,11 +228,19 @@ class Pruner:
         self.compensation_options = dict(compensation_options or {})
         heads = self.part("heads")
         if allow_empty_layers is None:
-            allow_empty_layers = heads is not None and heads.min_per_layer == 0
+            allow_empty_layers = heads is not None and heads.min_per_layer == 0  # None: the default, 1
         self.allow_empty_layers = bool(allow_empty_layers)
         self.last_scores: dict[str, Scores] | None = None
         self.last_selection: Plan | None = None
         self.last_rounds: list[dict] = []
+        self.last_allocation: list[dict] = []
+        self.quiet = False
+
+    def allocation_of(self, part: Part) -> str:
+        """The part's allocation: its own, else the pruner's, else ``uniform`` (layers: always ``uniform``)."""
+        if part.unit == "layers":
+            return "uniform"
+        return part.allocation or self.allocation or "uniform"
 
     def part(self, unit: str) -> Part | None:
         """The part pruning ``unit``, or ``None``."""
@@ -205,11 +262,20 @@ class Pruner:
         *,
         batches: Iterable[Mapping[str, Any]] | None = None,
         trace: TraceLike | None = None,
+        calibration: Iterable[Mapping[str, Any]] | None = None,
     ) -> Plan:
         """The plan for ``model``: layers first, then heads and channels among the remaining layers.
 
-        ``scores`` (``{unit: scores}``) are computed unless given.
+        ``scores`` (``{unit: scores}``) are computed unless given. Parts with a non-uniform
+        allocation get their per-layer counts from :mod:`~sinv_prune.scoring.allocation` (parts
+        sharing one allocation pool their parameter targets and the allocation splits them);
+        ``sensitivity`` and ``search`` measure on ``calibration`` (else ``batches``).
         """
+        data = calibration if calibration is not None else batches
+        if data is not None and iter(data) is data:
+            data = list(data)
+            if calibration is None:
+                batches = data
         if scores is None:
             scores = self.score(model, batches, trace)
         missing = [p.unit for p in self.parts if p.unit not in scores]
@@ -218,26 +284,32 @@ class Pruner:
         plan: Plan = {}
         adapter = get_adapter(model)
         kept = list(range(adapter.num_layers))
+        budget = _Budget(model)
         layers = self.part("layers")
         if layers is not None:
             plan["layers"] = select_layers(
                 _layer_scores(scores["layers"], len(kept)),
-                layers.amount,
-                min_layers=layers.min_per_layer,
+                budget.layers(layers.amount, kept),
+                min_layers=layers.min_per_layer or 1,
                 seed=layers.seed,
             )
             kept = [layer for layer in kept if layer not in plan["layers"]]
+        pools: dict[str, list[Part]] = {}
+        for part in self.parts:
+            if part.unit != "layers" and self.allocation_of(part) != "uniform":
+                pools.setdefault(self.allocation_of(part), []).append(part)
         heads = self.part("heads")
-        if heads is not None:
-            plan["heads"] = self._select_heads(model, scores["heads"], heads.amount, heads.exact, kept)
+        if heads is not None and self.allocation_of(heads) == "uniform":
+            amount = budget.units(heads.amount, "heads", kept)
+            plan["heads"] = self._select_heads(model, scores["heads"], amount, heads.exact, kept)
         mlp = self.part("mlp")
-        if mlp is not None:
+        if mlp is not None and self.allocation_of(mlp) == "uniform":
             rows = _per_layer(scores["mlp"], adapter.num_layers, "mlp")
             sizes = channel_counts(model)
             chosen = select_channels(
                 [sizes[layer] for layer in kept],
                 [rows[layer] for layer in kept],
-                mlp.amount,
+                budget.units(mlp.amount, "mlp", kept),
                 mode=mlp.mode,
                 min_channels_per_layer=mlp.min_per_layer,
                 multiple=mlp.multiple,
@@ -245,8 +317,28 @@ class Pruner:
                 exact=mlp.exact,
             )
             plan["mlp"] = {kept[i]: channels for i, channels in chosen.items()}
-        self.last_selection = plan
-        return plan
+        self.last_allocation = []
+        for strategy, parts in pools.items():
+            groups, target = [], 0
+            for part in parts:
+                rows = _per_layer(scores[part.unit], adapter.num_layers, part.unit)
+                groups += groups_for(model, part.unit, rows, kept, min_per_layer=part.min_per_layer,
+                                     multiple=part.multiple, shape=part.layout, seed=part.seed)  # fmt: skip
+                target += budget.params(part.amount, part.unit, kept)
+            options = {}
+            for part in parts:
+                options.update(part.allocation_options or {})
+            context = Context(model=model, batches=data, seed=parts[0].seed, options=options, quiet=self.quiet)
+            decided = allocate(strategy, groups, target, context, exact=any(p.exact for p in parts))
+            for g in groups:
+                count = decided.counts[g.unit, g.layer]
+                if count:
+                    plan.setdefault(g.unit, {})[g.layer] = g.pick(count)
+            for part in parts:
+                plan.setdefault(part.unit, {})
+            self.last_allocation.append({"units": [p.unit for p in parts], **decided.to_dict(groups)})
+        self.last_selection = {unit: plan[unit] for unit in ("layers", "heads", "mlp") if unit in plan}
+        return self.last_selection
 
     def _select_heads(
         self, model: nn.Module, scores: Scores, amount: int | float, exact: bool, kept: list[int] | None = None
@@ -254,7 +346,8 @@ class Pruner:
         """The heads part's selection, among the layers ``kept`` (all when ``None``)."""
         part = self.part("heads")
         layouts = model_layouts(model)
-        options = dict(mode=part.mode, layout=part.layout, min_heads_per_layer=part.min_per_layer, seed=part.seed)
+        least = 1 if part.min_per_layer is None else part.min_per_layer
+        options = dict(mode=part.mode, layout=part.layout, min_heads_per_layer=least, seed=part.seed)
         if kept is None or len(kept) == len(layouts):
             return select_heads(scores, amount, layouts=layouts, exact=exact, **options)
         rows = _per_layer(scores, len(layouts), "heads")
@@ -285,7 +378,7 @@ class Pruner:
             removal.update(calibration=calibration, compensate=self.compensate, **self.compensation_options)
         if [p.unit for p in self.parts] == ["heads"]:
             return self._prune_heads(model, batches, trace, calibration, removal)
-        plan = self.select(model, batches=batches, trace=trace)  # raises before any change
+        plan = self.select(model, batches=batches, trace=trace, calibration=calibration)  # raises before any change
         if any(plan.values()):
             summary = _apply(model, plan, **removal)
         else:
@@ -309,7 +402,8 @@ class Pruner:
         if self.rounds > 1 and "calibration" in removal and iter(calibration) is calibration:
             removal["calibration"] = list(calibration)
         kept_at_start = _kept_original(model)
-        first = self.select(model, batches=batches, trace=trace)["heads"]  # fixes the total; raises before any change
+        # fixes the total; raises before any change
+        first = self.select(model, batches=batches, trace=trace, calibration=calibration)["heads"]
         total = sum(map(len, first.values()))
         summaries: list[PruneSummary] = []
         self.last_rounds = []
@@ -353,6 +447,8 @@ class Pruner:
             "rounds": self.rounds,
             "compensate": self.compensate,
             "allow_empty_layers": self.allow_empty_layers,
+            "allocation": self.allocation,
+            "allocations": self.last_allocation,
             "selection": _plan_json(self.last_selection or {}),
             "per_round": self.last_rounds,
         }
@@ -613,3 +709,66 @@ def _combine(model: nn.Module, summaries: list[PruneSummary], kept_at_start: lis
         before = [kept_at_start[layer].index(h) for h in original]
         changes.append(LayerChange(layer, before, original, now.num_heads, now.num_kv_heads))
     return PruneSummary(changes, summaries[0].params_before, summaries[-1].params_after)
+
+
+def check_amount(amount):
+    """An int count, a float fraction, or ``{"params": fraction}`` of the non-embedding parameters."""
+    if isinstance(amount, Mapping):
+        if set(amount) != {"params"}:
+            raise ValueError(f"an amount mapping takes one key, 'params' (a fraction), got {sorted(amount)}")
+        value = amount["params"]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) < 1.0:
+            raise ValueError(f"amount params is a fraction in [0, 1) of the non-embedding parameters, got {value!r}")
+        return {"params": float(value)}
+    return amount
+
+
+class _Budget:
+    """Turns a part's amount into units or parameters on ``model`` (as it is before the cut)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._total: int | None = None
+
+    @property
+    def non_embedding(self) -> int:
+        if self._total is None:
+            self._total = non_embedding_parameters(self.model)
+        return self._total
+
+    def _cost(self, unit: str, kept: list[int]) -> int:
+        costs = [head_cost(self.model, i) if unit == "heads" else channel_cost(self.model, i) for i in kept]
+        costs = [c for c in costs if c]
+        return min(costs) if costs else 1
+
+    def _target(self, amount) -> int:
+        return math.floor(amount["params"] * self.non_embedding)
+
+    def layers(self, amount, kept: list[int]):
+        """A layer count: ``{"params": f}`` -> the most layers whose parameters do not exceed the target."""
+        if not isinstance(amount, Mapping):
+            return amount
+        blocks = get_adapter(self.model).layers()
+        per_block = sum(p.numel() for p in blocks[kept[0]].parameters()) if kept else 1
+        return self._target(amount) // max(per_block, 1)
+
+    def units(self, amount, unit: str, kept: list[int]):
+        """A unit count for the selection's own modes: the params target over one unit's parameters, rounded down."""
+        if not isinstance(amount, Mapping):
+            return amount
+        return self._target(amount) // self._cost(unit, kept)
+
+    def params(self, amount, unit: str, kept: list[int]) -> int:
+        """A parameter target for an allocation: ``{"params": f}`` directly, a count / fraction times a unit's cost."""
+        if isinstance(amount, Mapping):
+            return self._target(amount)
+        counts = head_counts_of(self.model, unit, kept)
+        count = _count(amount, sum(counts), "heads" if unit == "heads" else "channels")
+        return count * self._cost(unit, kept)
+
+
+def head_counts_of(model: nn.Module, unit: str, kept: list[int]) -> list[int]:
+    adapter = get_adapter(model)
+    if unit == "heads":
+        return [adapter.layout(i).num_heads for i in kept]
+    return [adapter.intermediate_size(i) for i in kept]

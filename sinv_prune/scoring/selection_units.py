@@ -5,9 +5,12 @@ criterion scores (higher = keep), ordered the same way: by score (``global``, ``
 or by rank within the layer over the layer's size (``per_layer``), equal keys by a
 permutation drawn from ``seed``; only the order of the scores matters.
 
-:func:`select_channels`: a layer keeps ``k`` channels with ``k >= min_channels_per_layer``
-and ``k`` a multiple of ``multiple`` (unless it loses none), so kept widths stay friendly to
-matrix kernels (8, 64...). Within a layer the lowest-ranked channels go. ``global`` /
+:func:`select_channels`: in ``global`` mode the scores are first standardised within each layer
+(``(s - mean) / std``, FLAP), because criteria's raw scales differ from layer to layer (ranking raw
+Wanda scores across SmolLM2's layers left one layer 141 of 1536 channels and an 11x worse model),
+and by default every layer keeps at least a quarter of its width. A layer keeps ``k`` channels with
+``k >= min_channels_per_layer`` and ``k`` a multiple of ``multiple`` (unless it loses none), so kept
+widths stay friendly to matrix kernels (8, 64...). Within a layer the lowest-ranked channels go. ``global`` /
 ``per_layer`` remove the requested number at the least total rank over layers (the globally
 lowest ranks, skipping layers at their minimum, when ``multiple == 1``; a knapsack over layers
 otherwise); ``uniform`` leaves every layer with the same channel count. As for heads, when the
@@ -31,6 +34,22 @@ from torch import nn
 from sinv_prune.scoring.criteria.base import channel_counts
 from sinv_prune.scoring.selection import MODES, _count, _knapsack, _nonnegative, _ranks
 
+
+def standardize(scores: Sequence[float]) -> list[float]:
+    """``(s - mean) / std`` within one layer (all zero when the scores are constant): FLAP's scale."""
+    n = len(scores)
+    if not n:
+        return []
+    mean = math.fsum(scores) / n
+    std = math.sqrt(math.fsum((x - mean) ** 2 for x in scores) / n)
+    return [(x - mean) / std for x in scores] if std > 0 else [0.0] * n
+
+
+def quarter(width: int) -> int:
+    """The least width a layer keeps by default when layers share the cut unevenly: a quarter (at least 1)."""
+    return max(1, math.ceil(width / 4))
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,7 +64,7 @@ def select_channels(
     amount: int | float,
     *,
     mode: str = "global",
-    min_channels_per_layer: int = 1,
+    min_channels_per_layer: int | None = None,
     multiple: int = 1,
     seed: int = 0,
     exact: bool = False,
@@ -59,7 +78,8 @@ def select_channels(
             channels (rounded half up).
         mode: ``"global"``, ``"per_layer"`` or ``"uniform"`` (see the module docstring).
         min_channels_per_layer: channels every layer keeps at least (>= 1: an MLP cannot lose
-            them all; layers already below keep theirs).
+            them all; layers already below keep theirs). Default: a quarter of each layer's width
+            in ``global`` mode (so no layer is starved), 1 otherwise.
         multiple: every layer that loses channels keeps a multiple of this many.
         seed: orders equal scores; the same inputs and seed give the same result.
         exact: raise instead of removing fewer channels when the amount cannot be met exactly.
@@ -67,9 +87,12 @@ def select_channels(
     sizes = channel_counts(model_or_sizes) if isinstance(model_or_sizes, nn.Module) else _sizes(model_or_sizes)
     if mode not in MODES:
         raise ValueError(f"unknown selection mode {mode!r}; choose one of {', '.join(MODES)}")
-    min_keep = _nonnegative(min_channels_per_layer, "min_channels_per_layer")
-    if min_keep < 1:
-        raise ValueError("min_channels_per_layer must be at least 1 (an MLP cannot lose every channel)")
+    if min_channels_per_layer is None:
+        min_keep = None
+    else:
+        min_keep = _nonnegative(min_channels_per_layer, "min_channels_per_layer")
+        if min_keep < 1:
+            raise ValueError("min_channels_per_layer must be at least 1 (an MLP cannot lose every channel)")
     step = _nonnegative(multiple, "multiple")
     if step < 1:
         raise ValueError(f"multiple must be a positive integer, got {multiple!r}")
@@ -77,12 +100,15 @@ def select_channels(
     wanted = _count(amount, sum(sizes), "channels")
     if wanted == 0:
         return {}
-    ranks = _ranks(rows, mode, seed)
+    # global: scores standardised within each layer first (FLAP), so no layer's scale decides for it.
+    ranks = _ranks([standardize(r) for r in rows] if mode == "global" else rows, mode, seed)
     order = [sorted(range(len(r)), key=r.__getitem__) for r in ranks]  # lowest rank (remove first) first
-    allowed = [_removals(n, min_keep, step) for n in sizes]
-    where = f"with min_channels_per_layer={min_keep} and multiple={step}"
+    keeps = [(quarter(n) if mode == "global" else 1) if min_keep is None else min_keep for n in sizes]
+    allowed = [_removals(n, keep, step) for n, keep in zip(sizes, keeps, strict=True)]
+    shown = "a quarter of each layer" if min_keep is None and mode == "global" else (min_keep or 1)
+    where = f"with min_channels_per_layer={shown} and multiple={step}"
     if mode == "uniform":
-        counts = _uniform(sizes, min_keep, step, wanted, where)
+        counts = _uniform(sizes, min_keep or 1, step, wanted, where)
     else:
         most = sum(a[-1] for a in allowed)
         if most < wanted:
