@@ -319,7 +319,7 @@ def test_smollm2_uneven_compensated_runs_in_llama_cpp(tmp_path):
                      add_bias=True)  # fmt: skip
     exact = sinv_prune.export_gguf(model, tokenizer, tmp_path / "f32.gguf", type="f32", verify=True)
     assert exact.arch == "deci" and exact.tokenizer.startswith("copied from SmolLM2")
-    assert exact.verify.passed, exact.verify
+    assert exact.verify.passed and exact.verify.median_rel_diff < 1e-3, exact.verify
     meta = fields(exact.path)
     assert meta["deci.attention.head_count"][:5] == [6, 9, 9, 9, 6] and meta["deci.attention.head_count_kv"][4] == 2
     assert meta["tokenizer.ggml.pre"] == "smollm" and len(meta["tokenizer.ggml.tokens"]) == 49152
@@ -390,3 +390,22 @@ def test_run_sources_find_the_recipes_gguf_and_the_runs_tokenizer(tmp_path):
     assert run_gguf_source(run) is None and run_gguf_source(None) is None
     assert tokenizer_dir(run / "arms" / "a" / "finetuned", run) == run / "tokenizer"
     assert tokenizer_dir(run / "arms" / "a" / "finetuned", None) is None
+
+
+def test_verify_rule_median_within_rtol_worst_within_slack_same_argmax():
+    """The f32 pass rule: median position within rtol, worst within WORST * rtol, the same arg-max everywhere."""
+    from sinv_prune.deploy.gguf_verify import WORST, compare
+
+    ref = np.tile(np.array([10.0, 1.0, 0.0]), (5, 1))
+    near = ref.copy()
+    near[:, 1] += 5e-3  # 5e-4 of the largest logit at every position
+    assert compare(ref, near, True).passed
+    worst = near.copy()
+    worst[0, 1] += 10 * WORST * 1e-3  # one position past the slack
+    assert not compare(ref, worst, True).passed
+    everywhere = ref.copy()
+    everywhere[:, 1] += 2e-2  # 2e-3 at every position: the median is out
+    assert not compare(ref, everywhere, True).passed
+    flipped = ref.copy()
+    flipped[2] = [0.0, 1.0, 10.0]
+    assert not compare(ref, flipped, True).passed
