@@ -479,17 +479,13 @@ class PartSpec(Strict):
 def _check_allocation(part) -> None:
     """An allocation's own rules, in the schema's words (the library checks them again)."""
     from sinv_prune.scoring.allocation import check_allocation
+    from sinv_prune.scoring.pruner import check_part_allocation
 
     if part.allocation == "uniform":
         if part.allocation_options:
             raise ValueError("allocation_options need an allocation other than uniform")
         return
-    if part.unit == "layers":
-        raise ValueError(f"allocation {part.allocation!r} spreads heads or channels; unit layers takes uniform")
-    if part.mode != "global":
-        raise ValueError(f"allocation {part.allocation!r} decides how layers share the cut; leave mode at global")
-    if part.unit == "heads" and part.layout != "q_per_group":
-        raise ValueError(f"allocation {part.allocation!r} needs layout q_per_group, not {part.layout!r}")
+    check_part_allocation(part.unit, part.mode, part.layout, part.allocation)
     check_allocation(part.allocation, part.allocation_options)
 
 

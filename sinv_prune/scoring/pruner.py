@@ -125,15 +125,7 @@ class Part:
             )
 
     def _check_allocation(self, allocation: str) -> None:
-        """A non-uniform allocation decides per-layer amounts itself: heads or mlp parts, mode left 'global'."""
-        if allocation == "uniform":
-            return
-        if self.unit == "layers":
-            raise ValueError(f"allocation {allocation!r} spreads heads or channels; a layers part takes 'uniform'")
-        if self.mode != "global":
-            raise ValueError(f"allocation {allocation!r} decides how layers share the cut; mode must be 'global'")
-        if self.unit == "heads" and self.layout != "q_per_group":
-            raise ValueError(f"allocation {allocation!r} needs layout 'q_per_group' for heads, got {self.layout!r}")
+        check_part_allocation(self.unit, self.mode, self.layout, allocation)
 
     def report(self) -> dict:
         """The part's settings and its criterion's report (JSON-serialisable)."""
@@ -656,6 +648,19 @@ def _layer_scores(scores, layers: int) -> list:
         got = len(scores) if isinstance(scores, Sequence) else type(scores).__name__
         raise ValueError(f"layer scores must have one float for each of the {layers} layers, got {got}")
     return list(scores)
+
+
+def check_part_allocation(unit: str, mode: str, layout: str | None, allocation: str) -> None:
+    """A non-uniform allocation decides per-layer amounts itself: heads or mlp parts, mode left at
+    'global', heads under layout 'q_per_group' (one rule for ``Part`` and the recipe schema)."""
+    if allocation == "uniform":
+        return
+    if unit == "layers":
+        raise ValueError(f"allocation {allocation!r} spreads heads or channels; a layers part takes 'uniform'")
+    if mode != "global":
+        raise ValueError(f"allocation {allocation!r} decides how layers share the cut; leave mode at global")
+    if unit == "heads" and layout != "q_per_group":
+        raise ValueError(f"allocation {allocation!r} needs layout 'q_per_group' for heads, got {layout!r}")
 
 
 def _rounds(value) -> int:
