@@ -631,7 +631,7 @@ def export(source: str, output: Path, type_: str, gguf_file: str | None, verify:
     """
     from sinv_prune.deploy import export_gguf
     from sinv_prune.deploy.sources import run_gguf_source, tokenizer_dir
-    from sinv_prune.hub.push import _run_of_model
+    from sinv_prune.hub.push import run_of_model
     from sinv_prune.pipeline.data import load_model_tokenizer
     from sinv_prune.surgery.checkpoint import from_pretrained
 
@@ -639,7 +639,7 @@ def export(source: str, output: Path, type_: str, gguf_file: str | None, verify:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     path = _model_source(source, gguf_file)
     local = Path(path)
-    run = _run_of_model(local) if (local / "config.json").is_file() else None
+    run = run_of_model(local) if (local / "config.json").is_file() else None
     try:
         model = from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {})).eval()
         tok_source = tokenizer_dir(local, run) if local.is_dir() and not gguf_file else None

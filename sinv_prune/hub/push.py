@@ -524,7 +524,7 @@ def resolve_source(path: str | os.PathLike) -> PushSource:
     """
     path = Path(path)
     if (path / "config.json").is_file():
-        return _with_run(PushSource(model_dir=path), _run_of_model(path))
+        return _with_run(PushSource(model_dir=path), run_of_model(path))
     if path.is_dir() and (path / "results.json").is_file() and (path / "arms").is_dir():
         raise PushError(f"{path} is a run directory; name an arm: {path}/ARM (arms: {_arm_names(path)})")
     arm_dir = path if _is_arm_dir(path) else _arm_dir_by_name(path)
@@ -564,7 +564,7 @@ def _arm_names(run: Path) -> str:
     return ", ".join(names) or "none"
 
 
-def _run_of_model(model_dir: Path) -> Path | None:
+def run_of_model(model_dir: Path) -> Path | None:
     if model_dir.parent.parent.name == "arms":
         return model_dir.parent.parent.parent
     if model_dir.name == "base" and (model_dir.parent / "recipe.yaml").is_file():
