@@ -300,8 +300,8 @@ def test_pruner_checks_its_parts():
         Pruner(["heads"])
     with pytest.raises(ValueError, match="one part per unit"):
         Pruner([Part("mlp", "random", 1), Part("mlp", "magnitude", 1)])
-    with pytest.raises(ValueError, match="rounds > 1 is supported for heads-only pruners"):
-        Pruner([Part("heads", "random", 1), Part("mlp", "random", 1)], rounds=2)
+    with pytest.raises(ValueError, match="a non-uniform allocation needs rounds=1"):
+        Pruner([Part("heads", "random", 1), Part("mlp", "random", 1, allocation="standardized")], rounds=2)
     with pytest.raises(ValueError, match="unknown compensation"):
         Pruner([Part("mlp", "random", 1)], compensate="magic")
     pruner = Pruner(

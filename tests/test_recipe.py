@@ -241,9 +241,9 @@ def test_arm_labels_name_what_they_remove():
          "prune.arms[0].parts[0]: 'layout' is for unit heads only, not mlp"),
         ({"parts": [{"criterion": "taylor", "amount": -2}]}, "prune.arms[0].parts[0].amount: amount must be"),
         ({"unit": "mlp", "amount": 2}, "prune.arms[0]: missing 'criterion' (or give 'parts')"),
-        ({"criterion": "taylor", "unit": "mlp", "amount": 2, "rounds": 2},
-         "prune.arms[0]: rounds: 2 rounds need a heads-only arm; an arm removing mlp is pruned in one round"),
-        ({**MIXED, "rounds": 3}, "rounds: 3 rounds need a heads-only arm; an arm removing heads and mlp"),
+        ({"criterion": "taylor", "unit": "mlp", "amount": {"params": 0.1}, "allocation": "search", "rounds": 2},
+         "prune.arms[0]: rounds: 2 re-select each round with the arm's mode; allocation 'search' decides the whole "
+         "cut at once (rounds: 1)"),
     ],
 )  # fmt: skip
 def test_arm_units_and_parts_are_validated(arm, message):

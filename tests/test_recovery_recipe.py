@@ -18,6 +18,17 @@ ARMS = [
     {"criterion": "magnitude", "amount": 2, "compensate": {"method": "lsq", "batches": 2, "batch_size": 2}},
     {"criterion": "activation", "amount": 4, "rounds": 2, "compensate": {"method": "bias", "batches": 2}},
     {"criterion": "random", "amount": 2, "seed": 3},
+    {
+        "unit": "mlp",
+        "criterion": "activation",
+        "amount": 0.25,
+        "rounds": 2,
+        "compensate": {"method": "lsq", "batches": 2},
+    },
+    {
+        "parts": [{"criterion": "magnitude", "amount": 2}, {"criterion": "magnitude", "unit": "mlp", "amount": 32}],
+        "rounds": 2,
+    },
 ]
 RECOVERY = {**TINY, "name": "recovery", "prune": {"arms": ARMS}, "finetune": None}
 
@@ -38,7 +49,7 @@ def recovery_run(tmp_path_factory):
 def test_arms_record_compensation_and_rounds(recovery_run):
     results = json.loads((recovery_run / "results.json").read_text())
     arms = {a["name"]: a for a in results["arms"]}
-    assert set(arms) == {"magnitude-2-global-lsq", "activation-4-global-bias-r2", "random-2-global"}
+    assert set(arms) >= {"magnitude-2-global-lsq", "activation-4-global-bias-r2", "random-2-global"}
 
     lsq = arms["magnitude-2-global-lsq"]
     comp = lsq["compensation"]
@@ -52,6 +63,14 @@ def test_arms_record_compensation_and_rounds(recovery_run):
     assert not per_round[0] & per_round[1]
     assert per_round[0] | per_round[1] == {(int(k), h) for k, hs in rounds["removed"].items() for h in hs}
     assert rounds["heads_removed"] == 4
+
+    channels = arms["activation-mlp-0.25-global-lsq-r2"]  # MLP channels in two rounds, each compensated
+    assert channels["rounds"] == 2 and [r["channels_removed"] for r in channels["per_round"]] == [32, 32]
+    assert channels["channels_removed"] == 64 and all(r["compensation"]["method"] == "lsq"
+                                                      for r in channels["per_round"])  # fmt: skip
+    mixed = arms["magnitude-heads-2-global+magnitude-mlp-32-global-r2"]
+    assert [(r["heads_removed"], r["channels_removed"]) for r in mixed["per_round"]] == [(1, 16), (1, 16)]
+    assert (mixed["heads_removed"], mixed["channels_removed"]) == (2, 32)
 
     plain = arms["random-2-global"]
     assert plain["compensation"] is None and plain["rounds"] == 1

@@ -506,7 +506,8 @@ class ArmSpec(Strict):
     either). ``min_heads_per_layer: 0`` also needs ``prune.allow_empty_layers: true``.
     ``compensate`` (:class:`CompensateSpec`) re-fits what remains after the heads go;
     ``rounds: k`` reaches the amount in k rounds, re-scoring the pruned model (and compensating,
-    when set) each round (see :class:`sinv_prune.HeadPruner`); heads-only arms only.
+    when set) each round (see :class:`sinv_prune.Pruner`), for heads, channels, layers and mixes;
+    an arm with a non-uniform allocation takes ``rounds: 1``.
 
     ``amount: {params: 0.10}`` is a fraction of the non-embedding parameters. ``allocation``
     (``uniform``, the default: ``mode`` decides; ``standardized``, ``sensitivity``, ``search``)
@@ -546,21 +547,21 @@ class ArmSpec(Strict):
             mixed = _given(self, PART_KEYS)
             if mixed:
                 raise ValueError(f"give either 'parts' or the single-part keys, not both (got {', '.join(mixed)})")
-            self._one_round_unless_heads()
+            self._one_round_unless_uniform()
             return self
         missing = [k for k in ("criterion", "amount") if getattr(self, k) is None]
         if missing:
             raise ValueError(f"missing {' and '.join(map(repr, missing))} (or give 'parts')")
         self.single_part()  # the unit's own checks
-        self._one_round_unless_heads()
+        self._one_round_unless_uniform()
         return self
 
-    def _one_round_unless_heads(self) -> None:
-        units = {p.unit for p in self.part_specs}
-        if self.rounds > 1 and units != {"heads"}:
+    def _one_round_unless_uniform(self) -> None:
+        spread = sorted({p.allocation for p in self.part_specs} - {"uniform"})
+        if self.rounds > 1 and spread:
             raise ValueError(
-                f"rounds: {self.rounds} rounds need a heads-only arm; an arm removing {' and '.join(sorted(units))} "
-                "is pruned in one round (rounds: 1)"
+                f"rounds: {self.rounds} re-select each round with the arm's mode; allocation {spread[0]!r} "
+                "decides the whole cut at once (rounds: 1)"
             )
 
     def single_part(self) -> PartSpec:

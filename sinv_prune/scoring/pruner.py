@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -38,11 +39,11 @@ from sinv_prune.scoring.selection import (
     model_layouts,
     select_heads,
 )
-from sinv_prune.scoring.selection_units import select_channels, select_layers
+from sinv_prune.scoring.selection_units import quarter, select_channels, select_layers
 from sinv_prune.surgery import compensation
 from sinv_prune.surgery import removal as surgery
 from sinv_prune.surgery.record import get_record
-from sinv_prune.surgery.removal import LayerChange, PruneSummary, count_parameters, prune_heads
+from sinv_prune.surgery.removal import LayerChange, MlpChange, PruneSummary, count_parameters, prune_heads
 
 logger = logging.getLogger(__name__)
 
@@ -162,10 +163,13 @@ class Pruner:
     fraction of those in the remaining layers. Everything is numbered as the model is when
     :meth:`select` is called.
 
-    **Rounds.** ``rounds > 1`` (re-score the pruned model between rounds, with
-    ``between_rounds(model, round_index)`` in between) works for a heads-only pruner, exactly
-    as :class:`HeadPruner` describes; a pruner with mlp or layers parts must use ``rounds=1``
-    (a clear error otherwise). ``compensate`` (a method of :mod:`sinv_prune.surgery.compensation`,
+    **Rounds.** ``rounds=k`` reaches the one-shot plan's totals (heads, channels and layers,
+    counted by :meth:`select` on the model as given) in ``k`` rounds: each round re-scores the
+    pruned model (``between_rounds(model, round_index)`` runs first) and removes about
+    ``remaining / rounds_left`` of every unit, layers first; heads and channels count only
+    in the layers that stay, so a layer dropped late does not shrink the cut. Channel floors
+    (a quarter of a layer's width in ``global`` mode) stay those of the width at the start.
+    Non-uniform allocations take ``rounds=1``. ``compensate`` (a method of :mod:`sinv_prune.surgery.compensation`,
     options in ``compensation_options``) is passed to the removal with the ``calibration``
     batches. ``allow_empty_layers`` (default: the heads part's ``min_per_layer == 0``) lets
     layers lose every head.
@@ -207,10 +211,6 @@ class Pruner:
         self.rounds = _rounds(rounds)
         if self.rounds > 1 and any(self.allocation_of(p) != "uniform" for p in self.parts):
             raise ValueError("rounds > 1 re-select with the part's mode; a non-uniform allocation needs rounds=1")
-        if self.rounds > 1 and units != ["heads"]:
-            raise ValueError(
-                f"rounds > 1 is supported for heads-only pruners; parts {units} must be pruned in one round (rounds=1)"
-            )
         if between_rounds is not None and not callable(between_rounds):
             raise ValueError(f"between_rounds must be a callable (model, round_index), got {between_rounds!r}")
         self.between_rounds = between_rounds
@@ -357,7 +357,7 @@ class Pruner:
     ) -> PruneSummary:
         """Score, select and remove everything the parts ask for from ``model`` in place.
 
-        One plan, one removal call (per round, for heads-only rounds). With ``compensate`` set
+        One plan, one removal call (per round). With ``compensate`` set
         the removal is compensated from ``calibration``; a missing ``calibration`` and every
         selection error raise before any change.
         """
@@ -368,69 +368,149 @@ class Pruner:
             removal["allow_empty_layers"] = True
         if self.compensate is not None:
             removal.update(calibration=calibration, compensate=self.compensate, **self.compensation_options)
-        if [p.unit for p in self.parts] == ["heads"]:
-            return self._prune_heads(model, batches, trace, calibration, removal)
+        if self.rounds > 1 or self.heads_only:
+            return self._prune_rounds(model, batches, trace, calibration, removal)
+        start = Geometry.of(model, self._units)
         plan = self.select(model, batches=batches, trace=trace, calibration=calibration)  # raises before any change
         if any(plan.values()):
             summary = _apply(model, plan, **removal)
         else:
             params = count_parameters(model)
             summary = PruneSummary([], params, params)
-        self.last_rounds = [
-            {
-                "round": 0,
-                "selection": _plan_json(plan),
-                "criterion_report": {p.unit: p.criterion.report() for p in self.parts},
-                "compensation": summary.compensation.to_dict() if summary.compensation is not None else None,
-            }
-        ]
+        self.last_rounds = [self._round_entry(0, _plan_counts(plan), plan, summary, start)]
         return summary
 
-    def _prune_heads(self, model, batches, trace, calibration, removal) -> PruneSummary:
-        """Heads only, in ``rounds`` rounds (see :class:`HeadPruner`)."""
-        part = self.part("heads")
+    @property
+    def heads_only(self) -> bool:
+        return [p.unit for p in self.parts] == ["heads"]
+
+    def _prune_rounds(self, model, batches, trace, calibration, removal) -> PruneSummary:
+        """In ``rounds`` rounds to the one-shot plan's totals (see the class docstring)."""
         if self.rounds > 1 and batches is not None and iter(batches) is batches:
             batches = list(batches)  # every round iterates them again
         if self.rounds > 1 and "calibration" in removal and iter(calibration) is calibration:
             removal["calibration"] = list(calibration)
-        kept_at_start = _kept_original(model)
-        # fixes the total; raises before any change
-        first = self.select(model, batches=batches, trace=trace, calibration=calibration)["heads"]
-        total = sum(map(len, first.values()))
+        start = Geometry.of(model, self._units)
+        first = self.select(model, batches=batches, trace=trace, calibration=calibration)  # raises before any change
+        totals = _plan_counts(first)
         summaries: list[PruneSummary] = []
         self.last_rounds = []
         for index in range(self.rounds):
-            remaining = total - sum(s.heads_removed for s in summaries)
-            if remaining == 0:
-                break
-            share = -(-remaining // (self.rounds - index))
             if self.rounds == 1:
-                heads = first  # exactly one-shot
+                plan, requested = first, totals  # exactly one-shot
             else:
+                if index and not self._anything_left(model, start, totals):
+                    break
                 if index:
                     if self.between_rounds is not None:
                         self.between_rounds(model, index - 1)
                     self.score(model, batches, trace)
-                heads = self._round_heads(model, share, remaining)
-            if not heads:
-                logger.warning("sinv_prune: round %d can remove none of the %d heads left; stopping", index, remaining)
+                plan, requested = self._round_plan(model, start, totals, self.rounds - index)
+            if not any(requested.values()):
                 break
-            summaries.append(_apply(model, {"heads": heads}, **removal))
-            self.last_rounds.append(_round_entry(index, share, summaries[-1], part.criterion.report()))
-        summary = _combine(model, summaries, kept_at_start)
-        self.last_selection = {"heads": {c.layer: c.removed for c in summary.layers}}
+            if not any(plan.values()):
+                logger.warning("sinv_prune: round %d can remove none of the %s left; stopping", index, requested)
+                break
+            before = Geometry.of(model, self._units)
+            summaries.append(_apply(model, plan, **removal))
+            self.last_rounds.append(self._round_entry(index, requested, plan, summaries[-1], before))
+        summary = _combine(model, summaries, start)
+        self.last_selection = {unit: _summary_plan(summary)[unit] for unit in self._units}
         return summary
 
-    def _round_heads(self, model: nn.Module, share: int, remaining: int) -> dict[int, list[int]]:
+    def _anything_left(self, model: nn.Module, start: Geometry, totals: dict) -> bool:
+        now = Geometry.of(model, self._units)
+        kept = range(len(now.layers))
+        left = {unit: totals[unit] - now.removed_since(start, unit, kept) for unit in totals if unit != "layers"}
+        if "layers" in totals:
+            left["layers"] = totals["layers"] - (len(start.layers) - len(now.layers))
+        return any(v > 0 for v in left.values())
+
+    @property
+    def _units(self) -> list[str]:
+        return [unit for unit in ("layers", "heads", "mlp") if self.part(unit) is not None]
+
+    def _round_plan(self, model: nn.Module, start: Geometry, totals: dict, left: int) -> tuple[Plan, dict]:
+        """One round's plan from ``last_scores`` and what it asked for: ``remaining / left`` of each unit."""
+        scores, adapter, now = self.last_scores, get_adapter(model), Geometry.of(model, self._units)
+        kept, plan, requested = list(range(adapter.num_layers)), {}, {}
+        layers = self.part("layers")
+        if layers is not None:
+            remaining = totals["layers"] - (len(start.layers) - len(kept))
+            requested["layers"] = share = -(-remaining // left)
+            chosen = select_layers(_layer_scores(scores["layers"], len(kept)), share,
+                                   min_layers=layers.min_per_layer or 1, seed=layers.seed) if share else []  # fmt: skip
+            plan["layers"] = chosen
+            kept = [i for i in kept if i not in chosen]
+        for unit in ("heads", "mlp"):
+            if self.part(unit) is None:
+                continue
+            remaining = totals[unit] - now.removed_since(start, unit, kept)
+            requested[unit] = share = -(-remaining // left)
+            if share <= 0:
+                plan[unit] = {}
+            elif unit == "heads":
+                plan[unit] = self._round_heads(model, share, remaining, kept)
+            else:
+                plan[unit] = self._round_channels(model, start, now, share, remaining, kept)
+        return plan, requested
+
+    def _round_heads(self, model: nn.Module, share: int, remaining: int, kept: list[int]) -> dict[int, list[int]]:
         """The smallest valid cut of at least ``share`` heads and at most ``remaining``; ``{}`` if none."""
         scores = self.last_scores["heads"]
-        self._select_heads(model, scores, 0, False)  # bad scores (shape, NaN) raise here, not below
+        self._select_heads(model, scores, 0, False, kept)  # bad scores (shape, NaN) raise here, not below
         for request in range(share, remaining + 1):
             try:
-                return self._select_heads(model, scores, request, True)
+                return self._select_heads(model, scores, request, True, kept)
             except ValueError:
                 continue
         return {}
+
+    def _round_channels(self, model, start: Geometry, now: Geometry, share: int, remaining: int, kept: list[int]):
+        """``share`` channels (or the nearest achievable below; else up to ``remaining``); ``{}`` if none.
+
+        Floors are those of the widths at the start: a quarter of each in ``global`` mode unless the
+        part sets ``min_per_layer``, so rounds do not starve a layer one quarter at a time.
+        """
+        part = self.part("mlp")
+        rows = _per_layer(self.last_scores["mlp"], len(now.layers), "mlp")
+        sizes = channel_counts(model)
+        floor = part.min_per_layer
+        if floor is None and part.mode == "global":
+            floor = [quarter(len(start.channels[now.layers[i]])) for i in kept]
+        for request in (share, remaining):
+            try:
+                with _quiet_selection():
+                    chosen = select_channels([sizes[i] for i in kept], [rows[i] for i in kept], request,
+                                             mode=part.mode, min_channels_per_layer=floor, multiple=part.multiple,
+                                             seed=part.seed)  # fmt: skip
+            except ValueError:
+                continue
+            return {kept[i]: channels for i, channels in chosen.items()}
+        return {}
+
+    def _round_entry(self, index: int, requested: dict, plan: Plan, summary: PruneSummary, before: Geometry) -> dict:
+        """One round for ``report()``: what it asked for and removed, layers and units in original numbering."""
+        entry = {
+            "round": index,
+            "requested": requested.get("heads", 0) if self.heads_only else dict(requested),
+            "heads_removed": summary.heads_removed,
+            "channels_removed": summary.channels_removed,
+            "layers_removed": summary.layers_removed,
+        }
+        orig = before.layers
+        selection = {
+            "layers": [orig[i] for i in plan.get("layers", [])],
+            "heads": {str(orig[i]): [before.heads[orig[i]][h] for h in hs] for i, hs in plan.get("heads", {}).items()},
+            "mlp": {str(orig[i]): [before.channels[orig[i]][c] for c in cs] for i, cs in plan.get("mlp", {}).items()},
+        }
+        if self.heads_only:
+            entry.update(selection=selection["heads"], criterion_report=self.part("heads").criterion.report())
+        else:
+            entry["selection"] = {unit: selection[unit] for unit in self._units}
+            entry["criterion_report"] = {p.unit: p.criterion.report() for p in self.parts}
+        entry["compensation"] = summary.compensation.to_dict() if summary.compensation is not None else None
+        return entry
 
     def report(self) -> dict:
         """Per part its settings and criterion report, plus the last plan and rounds (JSON-serialisable)."""
@@ -675,45 +755,90 @@ def _rounds(value) -> int:
     raise ValueError(f"rounds must be a positive integer, got {value!r}")
 
 
-def _kept_original(model: nn.Module) -> list[list[int]]:
-    """Per current layer, the original (record) index of each head the model has now."""
-    record = get_record(model.config)
-    if record is not None:
-        return [record.kept_heads(layer) for layer in record.kept_layers()]
-    return [list(range(lay.num_heads)) for lay in model_layouts(model)]
+@dataclass
+class Geometry:
+    """What a model holds now, in original numbering: its layers and, per original layer, heads and channels."""
+
+    layers: list[int]
+    heads: dict[int, list[int]]
+    channels: dict[int, list[int]]
+
+    @classmethod
+    def of(cls, model: nn.Module, units: Sequence[str] = ("heads",)) -> Geometry:
+        """From the model's pruning record (an unpruned model: everything, numbered as it is); channels
+        only when ``units`` has ``"mlp"`` (an adapter may not know MLPs)."""
+        adapter, record = get_adapter(model), get_record(model.config)
+        layers = record.kept_layers() if record is not None else list(range(adapter.num_layers))
+        if record is not None:
+            heads = {orig: record.kept_heads(orig) for orig in layers}
+        else:
+            heads = {i: list(range(adapter.layout(i).num_heads)) for i in layers}
+        channels = {}
+        if "mlp" in units:
+            for i, orig in enumerate(layers):
+                known = record is not None and record.intermediate_size
+                channels[orig] = record.kept_channels(orig) if known else list(range(adapter.intermediate_size(i)))
+        return cls(layers, heads, channels)
+
+    def removed_since(self, start: Geometry, unit: str, kept: Sequence[int]) -> int:
+        """Heads or channels removed since ``start`` from the current layers ``kept``."""
+        now, then = (self.heads, start.heads) if unit == "heads" else (self.channels, start.channels)
+        return sum(len(then[self.layers[i]]) - len(now[self.layers[i]]) for i in kept)
 
 
-def _round_entry(index: int, share: int, summary: PruneSummary, criterion_report: dict) -> dict:
-    """One round for ``report()``: what it asked for, what it removed (original numbering)."""
+def _plan_counts(plan: Plan) -> dict[str, int]:
+    """``{unit: how many}`` of a plan."""
+    return {unit: len(value) if unit == "layers" else sum(map(len, value.values())) for unit, value in plan.items()}
+
+
+def _summary_plan(summary: PruneSummary) -> Plan:
+    """The plan a summary removed, numbered as the model was before it."""
     return {
-        "round": index,
-        "requested": share,
-        "heads_removed": summary.heads_removed,
-        "selection": {str(c.layer): c.removed_original for c in summary.layers},
-        "criterion_report": criterion_report,
-        "compensation": summary.compensation.to_dict() if summary.compensation is not None else None,
+        "layers": list(summary.removed_layers),
+        "heads": {c.layer: list(c.removed) for c in summary.layers},
+        "mlp": {c.layer: list(c.removed) for c in summary.mlp},
     }
 
 
-def _combine(model: nn.Module, summaries: list[PruneSummary], kept_at_start: list[list[int]]) -> PruneSummary:
-    """One summary of several rounds, ``removed`` numbered as the layers were before the first round."""
+def _combine(model: nn.Module, summaries: list[PruneSummary], start: Geometry) -> PruneSummary:
+    """One summary of several rounds: what the model lost since ``start``, numbered as it was then."""
     if len(summaries) == 1:
         return summaries[0]
     if not summaries:
         params = count_parameters(model)
         return PruneSummary([], params, params)
-    removed: dict[int, set[int]] = {}
-    for summary in summaries:
-        for change in summary.layers:
-            removed.setdefault(change.layer, set()).update(change.removed_original)
-    adapter = get_adapter(model)
-    changes = []
-    for layer in sorted(removed):
-        original = sorted(removed[layer])
-        now = adapter.layout(layer)
-        before = [kept_at_start[layer].index(h) for h in original]
-        changes.append(LayerChange(layer, before, original, now.num_heads, now.num_kv_heads))
-    return PruneSummary(changes, summaries[0].params_before, summaries[-1].params_after)
+    adapter, end = get_adapter(model), Geometry.of(model, ["mlp"] if start.channels else [])
+    position = {orig: i for i, orig in enumerate(end.layers)}
+    heads, mlp, dropped = [], [], []
+    for before, orig in enumerate(start.layers):
+        if orig not in position:
+            dropped.append(before)
+            continue
+        gone = [h for h in start.heads[orig] if h not in set(end.heads[orig])]
+        if gone:
+            now = adapter.layout(position[orig])
+            heads.append(LayerChange(before, [start.heads[orig].index(h) for h in gone], gone, now.num_heads,
+                                     now.num_kv_heads))  # fmt: skip
+        if start.channels:
+            kept = set(end.channels[orig])
+            gone = [c for c in start.channels[orig] if c not in kept]
+            if gone:
+                index = {c: k for k, c in enumerate(start.channels[orig])}
+                mlp.append(MlpChange(before, [index[c] for c in gone], gone, len(kept)))
+    return PruneSummary(heads, summaries[0].params_before, summaries[-1].params_after, mlp=mlp,
+                        removed_layers=dropped, removed_layers_original=[start.layers[i] for i in dropped])  # fmt: skip
+
+
+@contextlib.contextmanager
+def _quiet_selection():
+    """A round asks for a share the multiple may not hit; the warning about it is not the user's business."""
+    selection_logger = logging.getLogger(select_channels.__module__)
+    level = selection_logger.level
+    selection_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        selection_logger.setLevel(level)
 
 
 def check_amount(amount):

@@ -64,7 +64,7 @@ def select_channels(
     amount: int | float,
     *,
     mode: str = "global",
-    min_channels_per_layer: int | None = None,
+    min_channels_per_layer: int | Sequence[int] | None = None,
     multiple: int = 1,
     seed: int = 0,
     exact: bool = False,
@@ -78,8 +78,8 @@ def select_channels(
             channels (rounded half up).
         mode: ``"global"``, ``"per_layer"`` or ``"uniform"`` (see the module docstring).
         min_channels_per_layer: channels every layer keeps at least (>= 1: an MLP cannot lose
-            them all; layers already below keep theirs). Default: a quarter of each layer's width
-            in ``global`` mode (so no layer is starved), 1 otherwise.
+            them all; layers already below keep theirs), or one such floor per layer. Default: a
+            quarter of each layer's width in ``global`` mode (so no layer is starved), 1 otherwise.
         multiple: every layer that loses channels keeps a multiple of this many.
         seed: orders equal scores; the same inputs and seed give the same result.
         exact: raise instead of removing fewer channels when the amount cannot be met exactly.
@@ -87,12 +87,16 @@ def select_channels(
     sizes = channel_counts(model_or_sizes) if isinstance(model_or_sizes, nn.Module) else _sizes(model_or_sizes)
     if mode not in MODES:
         raise ValueError(f"unknown selection mode {mode!r}; choose one of {', '.join(MODES)}")
-    if min_channels_per_layer is None:
+    floors = None
+    if isinstance(min_channels_per_layer, Sequence):
+        floors = [_floor(v) for v in min_channels_per_layer]
+        if len(floors) != len(sizes):
+            raise ValueError(f"min_channels_per_layer has {len(floors)} floors for {len(sizes)} layers")
+        if mode == "uniform":
+            raise ValueError("mode 'uniform' takes one min_channels_per_layer for every layer, not one per layer")
         min_keep = None
     else:
-        min_keep = _nonnegative(min_channels_per_layer, "min_channels_per_layer")
-        if min_keep < 1:
-            raise ValueError("min_channels_per_layer must be at least 1 (an MLP cannot lose every channel)")
+        min_keep = None if min_channels_per_layer is None else _floor(min_channels_per_layer)
     step = _nonnegative(multiple, "multiple")
     if step < 1:
         raise ValueError(f"multiple must be a positive integer, got {multiple!r}")
@@ -104,8 +108,12 @@ def select_channels(
     ranks = _ranks([standardize(r) for r in rows] if mode == "global" else rows, mode, seed)
     order = [sorted(range(len(r)), key=r.__getitem__) for r in ranks]  # lowest rank (remove first) first
     keeps = [(quarter(n) if mode == "global" else 1) if min_keep is None else min_keep for n in sizes]
+    if floors is not None:
+        keeps = floors
     allowed = [_removals(n, keep, step) for n, keep in zip(sizes, keeps, strict=True)]
     shown = "a quarter of each layer" if min_keep is None and mode == "global" else (min_keep or 1)
+    if floors is not None:
+        shown = "per-layer floors"
     where = f"with min_channels_per_layer={shown} and multiple={step}"
     if mode == "uniform":
         counts = _uniform(sizes, min_keep or 1, step, wanted, where)
@@ -126,6 +134,13 @@ def select_channels(
             )
         logger.warning("sinv_prune: %d channels requested, %d removed (nearest achievable not exceeding)", wanted, got)
     return {layer: sorted(order[layer][:c]) for layer, c in enumerate(counts) if c}
+
+
+def _floor(value) -> int:
+    floor = _nonnegative(value, "min_channels_per_layer")
+    if floor < 1:
+        raise ValueError("min_channels_per_layer must be at least 1 (an MLP cannot lose every channel)")
+    return floor
 
 
 def select_layers(scores: Sequence[float], amount: int | float, *, min_layers: int = 1, seed: int = 0) -> list[int]:
