@@ -87,6 +87,50 @@ def ppl(model, test_ids, args, device) -> float:
     return perplexity(model, test_ids, seq_len=args.seq_len, batch_size=4, device=device, progress=False)["perplexity"]
 
 
+class LastWord:
+    """Last-word accuracy: the shipped ``wikitext_lastword`` task through lm-eval on the first ``items`` items.
+
+    The task's data are built once from the same ``WIKITEXT/test.txt`` the perplexity reads, into a
+    temporary directory; ``items`` 0 (or lm-eval missing) turns the column off.
+    """
+
+    def __init__(self, items: int, tokenizer):
+        self.items, self.tokenizer, self._tasks, self._tmp = items, tokenizer, None, None
+        if items:
+            try:
+                from sinv_prune.lmeval.harness import require_lm_eval
+
+                require_lm_eval()
+            except Exception as err:  # the [eval] extra is optional for the benchmarks
+                print(f"last-word accuracy skipped: {err}", flush=True)
+                self.items = 0
+
+    def __call__(self, model) -> dict | None:
+        """``{"acc", "acc_stderr", "items"}`` for ``model`` (in memory), or ``None`` when turned off."""
+        if not self.items:
+            return None
+        from sinv_prune.lmeval import lastword
+        from sinv_prune.lmeval.harness import evaluate_tasks, resolve_tasks
+
+        if self._tasks is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="bench_lastword_")
+            os.environ.setdefault("SINV_PRUNE_WIKITEXT", str(common.WIKITEXT))
+            lastword.source_file()  # one-line error if test.txt is absent
+            self._tasks = resolve_tasks([lastword.TASK_NAME], build_dir=self._tmp.name)
+        was_training = model.training
+        out = evaluate_tasks(model, self.tokenizer, self._tasks, limit=self.items)["tasks"][lastword.TASK_NAME]
+        model.train(was_training)
+        return {"acc": out["acc"], "acc_stderr": out.get("acc_stderr"), "items": out.get("samples", self.items)}
+
+
+def acc_text(measured: dict | None) -> str:
+    """``0.265 ± 0.026`` or ``-``."""
+    if not measured:
+        return "-"
+    stderr = measured.get("acc_stderr")
+    return f"{measured['acc']:.3f}" + (f" ± {stderr:.3f}" if stderr is not None else "")
+
+
 def layer_weight_bytes(model) -> int:
     """Bytes of one transformer block's weights (layer 0, unpruned)."""
     block = get_adapter(model).layers()[0]
@@ -105,6 +149,7 @@ class Bench:
         self.score_batches = calib[: args.score_batches]
         self.args, self.device = args, device
         self.layouts = [get_adapter(base).layout(i) for i in range(get_adapter(base).num_layers)]
+        self.lastword = LastWord(args.lastword, tokenizer)
 
     def fresh(self):
         return copy.deepcopy(self.base).requires_grad_(True).eval()

@@ -48,7 +48,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench_common as common  # noqa: E402
-from _bench_setup import GLOBAL, OPTIONS, UNIFORM, Bench, layer_weight_bytes, ppl, setup_bench  # noqa: E402
+from _bench_setup import GLOBAL, OPTIONS, UNIFORM, Bench, acc_text, layer_weight_bytes, ppl, setup_bench  # noqa: E402
 
 from sinv_prune import HeadPruner, count_parameters  # noqa: E402
 
@@ -68,6 +68,8 @@ def parse(argv):
                     help="compensations of the fine-tune / distill / iterative rows")  # fmt: skip
     ap.add_argument("--eval-tokens", type=int, help="test.txt tokens evaluated (default 16384; --full 65536)")
     ap.add_argument("--seq-len", type=int, help="perplexity window (default 512)")
+    ap.add_argument("--lastword", type=int, help="wikitext_lastword items for the last-word accuracy column "
+                    "(lm-eval; default 200, --quick 4, --full all 1403; 0: no column)")  # fmt: skip
     ap.add_argument("--calib-batches", type=int, help="calibration batches (default 16)")
     ap.add_argument("--calib-seq-len", type=int, help="tokens per calibration batch (default 512)")
     ap.add_argument("--score-batches", type=int, help="calibration batches taylor / activation score on (default 4)")
@@ -90,6 +92,7 @@ def parse(argv):
         ap.error("--quick and --full exclude each other")
     preset = {  # quick, default, full
         "eval_tokens": (256, 16384, 65536),
+        "lastword": (4, 200, 1403),
         "seq_len": (64, 512, 512),
         "calib_batches": (2, 16, 32),
         "calib_seq_len": (32, 512, 512),
@@ -120,6 +123,11 @@ def row(cut, criterion, comp, recovery, pruned: dict, ppl_value: float, referenc
             "ppl": ppl_value, "reference": reference, "seconds": round(seconds, 1), **extra}  # fmt: skip
 
 
+def measure(bench: Bench, model) -> tuple[float, dict | None]:
+    """(perplexity on the test tokens, last-word accuracy or None) of ``model``."""
+    return ppl(model, bench.test_ids, bench.args, bench.device), bench.lastword(model)
+
+
 def one_shot_rows(bench: Bench, scores: dict, cut: str, keep: dict) -> list[dict]:
     """Every criterion x compensation; the pruned models the recovery rows may start from go into ``keep``."""
     rows = []
@@ -129,9 +137,10 @@ def one_shot_rows(bench: Bench, scores: dict, cut: str, keep: dict) -> list[dict
             start = time.perf_counter()
             model = bench.fresh()
             pruned = bench.prune(model, scores[criterion], cut, comp)
-            value = ppl(model, bench.test_ids, bench.args, bench.device)
+            value, accuracy = measure(bench, model)
             r = row(cut, criterion, comp, "one-shot", pruned, value, "unpruned", time.perf_counter() - start,
-                    layers_touched=len(heads), per_layer=sorted({len(h) for h in heads.values()}))  # fmt: skip
+                    layers_touched=len(heads), per_layer=sorted({len(h) for h in heads.values()}),
+                    lastword=accuracy)  # fmt: skip
             rows.append(r)
             report(r)
             if comp in bench.args.recovery_compensations:
@@ -146,9 +155,10 @@ def trained_row(bench: Bench, cut: str, best: str, comp: str, distill: bool, kee
     source, pruned = keep[cut, best, comp]
     model = copy.deepcopy(source).requires_grad_(True)
     pruned = {**pruned, "train": bench.train(model, distill=distill)}
-    value = ppl(model, bench.test_ids, bench.args, bench.device)
+    value, accuracy = measure(bench, model)
     name = f"{'distillation' if distill else 'LM fine-tune'} {bench.args.steps} steps"
-    r = row(cut, best, comp, name, pruned, value, "unpruned fine-tuned", time.perf_counter() - start)
+    r = row(cut, best, comp, name, pruned, value, "unpruned fine-tuned", time.perf_counter() - start,
+            lastword=accuracy)  # fmt: skip
     report(r)
     return r
 
@@ -157,9 +167,9 @@ def iterative_row(bench: Bench, cut: str, best: str, comp: str) -> dict:
     start = time.perf_counter()
     model = bench.fresh()
     pruned = bench.iterative(model, best, cut, comp)
-    value = ppl(model, bench.test_ids, bench.args, bench.device)
+    value, accuracy = measure(bench, model)
     r = row(cut, best, comp, f"iterative, {bench.args.rounds} rounds", pruned, value, "unpruned",
-            time.perf_counter() - start)  # fmt: skip
+            time.perf_counter() - start, lastword=accuracy)  # fmt: skip
     report(r)
     return r
 
@@ -168,7 +178,8 @@ def report(r: dict) -> None:
     comp = r.get("compensation")
     extra = f", compensation {comp['seconds']:.1f} s" if isinstance(comp, dict) else ""
     print(f"  {r['cut']:<11} {r['criterion']:<10} {r['method']:<5} "
-          f"{r['recovery']:<24} removed {r['heads_removed']:>3}  ppl {r['ppl']:9.2f}  [{r['seconds']:.0f} s{extra}]",
+          f"{r['recovery']:<24} removed {r['heads_removed']:>3}  ppl {r['ppl']:9.2f}  last-word "
+          f"{acc_text(r.get('lastword'))}  [{r['seconds']:.0f} s{extra}]",
           flush=True)  # fmt: skip
 
 
@@ -180,9 +191,10 @@ def cut_table(rows: list[dict], refs: dict) -> str:
     for r in rows:
         ref = refs[r["reference"]]
         lines.append([r["criterion"], r["method"], r["recovery"], r["heads_removed"], f"{r['params']:,}",
-                      f"{r['ppl']:.2f}", f"{r['ppl'] / ref:.3f}", r["reference"], f"{r['seconds']:.0f}"])  # fmt: skip
+                      f"{r['ppl']:.2f}", f"{r['ppl'] / ref:.3f}", r["reference"], acc_text(r.get("lastword")),
+                      f"{r['seconds']:.0f}"])  # fmt: skip
     return common.table(["criterion", "compensation", "recovery", "heads removed", "params", "perplexity",
-                         "ratio", "ratio to", "row s"], lines, "lllrrrrlr")  # fmt: skip
+                         "ratio", "ratio to", "last-word acc", "row s"], lines, "lllrrrrlrr")  # fmt: skip
 
 
 def targets(rows: list[dict], refs: dict, layer_bytes: int, args) -> list[dict]:
@@ -323,15 +335,17 @@ def run(argv=None) -> int:
 
     refs, ref_rows = {}, []
     start = time.perf_counter()
-    refs["unpruned"] = ppl(base, test_ids, args, device)
-    print(f"  unpruned: ppl {refs['unpruned']:.2f}  [{time.perf_counter() - start:.0f} s]", flush=True)
+    refs["unpruned"], accs = ppl(base, test_ids, args, device), {"unpruned": bench.lastword(base)}
+    print(f"  unpruned: ppl {refs['unpruned']:.2f}  last-word {acc_text(accs['unpruned'])}  "
+          f"[{time.perf_counter() - start:.0f} s]", flush=True)  # fmt: skip
     start = time.perf_counter()
     model = bench.fresh()
     trained = bench.train(model, distill=False)
     refs["unpruned fine-tuned"] = ppl(model, test_ids, args, device)
+    accs["unpruned fine-tuned"] = bench.lastword(model)
     del model
-    print(f"  unpruned, LM fine-tune {args.steps} steps: ppl {refs['unpruned fine-tuned']:.2f}  "
-          f"[{time.perf_counter() - start:.0f} s]", flush=True)  # fmt: skip
+    print(f"  unpruned, LM fine-tune {args.steps} steps: ppl {refs['unpruned fine-tuned']:.2f}  last-word "
+          f"{acc_text(accs['unpruned fine-tuned'])}  [{time.perf_counter() - start:.0f} s]", flush=True)  # fmt: skip
     ref_rows.append({"name": "unpruned fine-tuned", "train": trained, "ppl": refs["unpruned fine-tuned"]})
 
     scores, score_s = {}, {}
@@ -383,8 +397,12 @@ def run(argv=None) -> int:
         print(f"  time budget ({args.max_minutes:g} min) spent: skipped {'; '.join(skipped)}", flush=True)
 
     print()
-    print(f"unpruned perplexity {refs['unpruned']:.2f}; unpruned after the same {args.steps}-step LM fine-tune "
-          f"{refs['unpruned fine-tuned']:.2f}; {count_parameters(base):,} parameters")  # fmt: skip
+    print(f"unpruned perplexity {refs['unpruned']:.2f} (last-word accuracy {acc_text(accs['unpruned'])}); unpruned "
+          f"after the same {args.steps}-step LM fine-tune {refs['unpruned fine-tuned']:.2f} (last-word "
+          f"{acc_text(accs['unpruned fine-tuned'])}); {count_parameters(base):,} parameters")  # fmt: skip
+    if bench.lastword.items:
+        print(f"last-word accuracy: wikitext_lastword through lm-eval, the first {bench.lastword.items} items, "
+              "± its standard error")  # fmt: skip
     for cut in (GLOBAL, UNIFORM):
         print(f"\n{cut} (fine-tune / distillation / iterative rows: {choices[cut]}, the best one-shot + lsq "
               f"criterion)")  # fmt: skip
@@ -407,6 +425,7 @@ def run(argv=None) -> int:
     print(f"elapsed {elapsed:.0f} s")
     result.update({"skipped": skipped, "model": model_info, "heads": heads, "eval_tokens": int(test_ids.numel()),
                    "references": refs,
+                   "lastword_references": accs, "lastword_items": bench.lastword.items,
                    "reference_rows": ref_rows, "score_s": score_s, "choices": choices, "rows": rows,
                    "targets": found, "layer_weight_bytes": layer_bytes, "elapsed_s": round(elapsed, 1)})  # fmt: skip
     if args.plot:

@@ -74,12 +74,14 @@ def parse(argv):
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     ap.add_argument("--allocations", nargs="+", choices=ALLOCATIONS,
                     help="instead of the arms: MLP-channel rows per allocation (issue 17)")  # fmt: skip
-    ap.add_argument("--alloc-methods", nargs="+", choices=("none", "lsq"), default=["lsq"],
-                    help="compensation of the allocation rows (default lsq)")  # fmt: skip
+    ap.add_argument("--alloc-methods", nargs="+", choices=("none", "lsq", "obs"), default=["lsq"],
+                    help="compensation of the allocation rows (default lsq; obs: OBS selection + refit)")  # fmt: skip
     ap.add_argument("--search-budget", type=int, help="search allocation: fitness evaluations (default: the library's)")
     ap.add_argument("--cuts", nargs="+", type=float, default=list(CUTS), help="fractions of non-embedding params")
     ap.add_argument("--eval-tokens", type=int, help="test.txt tokens evaluated (default 16384)")
     ap.add_argument("--seq-len", type=int, help="perplexity window (default 512)")
+    ap.add_argument("--lastword", type=int, help="wikitext_lastword items for the last-word accuracy column "
+                    "(lm-eval; default 200, --quick 4; 0: no column)")  # fmt: skip
     ap.add_argument("--calib-batches", type=int, help="calibration batches for lsq (default 16)")
     ap.add_argument("--calib-seq-len", type=int, help="tokens per calibration batch (default 512)")
     ap.add_argument("--score-batches", type=int, help="calibration batches the criteria score on (default 4)")
@@ -98,6 +100,7 @@ def parse(argv):
     args = ap.parse_args(argv)
     preset = {  # quick, default
         "eval_tokens": (256, 16384),
+        "lastword": (4, 200),
         "seq_len": (64, 512),
         "calib_batches": (2, 16),
         "calib_seq_len": (32, 512),
@@ -213,7 +216,8 @@ def one_shot(bench, c: Costs, arm: str, cut: float, amounts: dict, comp: str | N
          "heads_removed": summary.heads_removed, "channels_removed": summary.channels_removed,
          "layers_removed": summary.layers_removed, "removed_layers": summary.removed_layers_original,
          "params": summary.params_after, "params_removed": removed, "share": c.share(removed), "ppl": value,
-         "reference": "unpruned", "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+         "reference": "unpruned", "lastword": bench.lastword(model),
+         "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
     if summary.compensation is not None:
         r["compensation_s"] = round(summary.compensation.seconds, 1)
     report(r)
@@ -226,6 +230,7 @@ def distilled(bench, c: Costs, source, start_row: dict) -> dict:
     train = bench.train(model, distill=True)
     value = setup.ppl(model, bench.test_ids, bench.args, bench.device)
     r = {**start_row, "recovery": f"distillation {bench.args.steps} steps", "train": train, "ppl": value,
+         "lastword": bench.lastword(model),
          "reference": "unpruned fine-tuned", "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
     report(r)
     return r
@@ -239,7 +244,8 @@ def removed_text(r: dict) -> str:
 def report(r: dict) -> None:
     comp = f", lsq {r['compensation_s']:.1f} s" if "compensation_s" in r else ""
     print(f"  {r['cut']:>4.0%} {r['arm']:<6} {r['method']:<4} {r['recovery']:<22} {removed_text(r):<28} "
-          f"-{r['share']:.2%}  ppl {r['ppl']:9.2f}  [{r['seconds']:.0f} s{comp}]", flush=True)  # fmt: skip
+          f"-{r['share']:.2%}  ppl {r['ppl']:9.2f}  last-word {setup.acc_text(r['lastword'])}  "
+          f"[{r['seconds']:.0f} s{comp}]", flush=True)  # fmt: skip
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -260,13 +266,16 @@ def cut_table(rows: list[dict], refs: dict, cut: float, notes: dict) -> str:
                       _cell(get.get(("one-shot", "none")), refs["unpruned"]),
                       _cell(get.get(("one-shot", "lsq")), refs["unpruned"]),
                       _cell(dist[0] if dist else None, refs.get("unpruned fine-tuned"))])  # fmt: skip
-    return common.table(["arm", "criteria", "removed", "non-emb. params removed", "one-shot (ratio)",
-                         "one-shot + lsq (ratio)", "distilled (ratio to unpruned fine-tuned)"], lines,
+    return common.table(["arm", "criteria", "removed", "non-emb. params removed", "one-shot (ratio; last-word acc)",
+                         "one-shot + lsq", "distilled (ratio to unpruned fine-tuned)"], lines,
                         "llllrrr")  # fmt: skip
 
 
 def _cell(r: dict | None, ref: float | None) -> str:
-    return "-" if r is None else f"{r['ppl']:.2f} ({r['ppl'] / ref:.3f})"
+    if r is None:
+        return "-"
+    acc = f"; acc {r['lastword']['acc']:.3f}" if r.get("lastword") else ""
+    return f"{r['ppl']:.2f} ({r['ppl'] / ref:.3f}){acc}"
 
 
 def criteria_text(amounts: dict) -> str:
@@ -343,12 +352,14 @@ def allocation_row(bench, c: Costs, cut: float, allocation: str, comp: str | Non
     pruner = Pruner([part], compensate=comp)
     summary = pruner.prune(model, batches=bench.calib, calibration=bench.calib)
     value = setup.ppl(model, bench.test_ids, bench.args, bench.device)
+    accuracy = bench.lastword(model)
     widths = get_adapter(model).layers()
     kept = [get_adapter(model).intermediate_size(i) for i in range(len(widths))]
     removed = summary.params_before - summary.params_after
     found = pruner.last_allocation[0] if pruner.last_allocation else {}
     r = {"cut": cut, "allocation": allocation, "method": comp or "none", "channels_removed": summary.channels_removed,
-         "params_removed": removed, "share": c.share(removed), "ppl": value, "kept_min": min(kept),
+         "params_removed": removed, "share": c.share(removed), "ppl": value, "lastword": accuracy,
+         "kept_min": min(kept),
          "kept_max": max(kept), "kept": kept, "stock": bool(get_record(model.config).stock_layout),
          "allocation_s": found.get("seconds"), "search": found.get("search"),
          "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
@@ -358,7 +369,8 @@ def allocation_row(bench, c: Costs, cut: float, allocation: str, comp: str | Non
     if r["search"]:
         extra = f", KL {r['search']['seed_fitness']:.5f} -> {r['search']['best_fitness']:.5f}"
     print(f"  {cut:>4.0%} {allocation:<12} {r['method']:<4} {r['channels_removed']:>6} channels -{r['share']:.2%}  "
-          f"widths {r['kept_min']}-{r['kept_max']}  ppl {value:8.2f}  [{r['seconds']:.0f} s, allocation "
+          f"widths {r['kept_min']}-{r['kept_max']}  ppl {value:8.2f}  last-word {setup.acc_text(accuracy)}  "
+          f"[{r['seconds']:.0f} s, allocation "
           f"{r['allocation_s'] or 0:.0f} s{extra}]", flush=True)  # fmt: skip
     del model
     return r
@@ -371,9 +383,11 @@ def allocation_table(rows: list[dict], ref: float) -> str:
         note = f"KL {search['seed_fitness']:.4f} -> {search['best_fitness']:.4f}" if search else ""
         lines.append([f"-{r['cut']:.0%}", r["allocation"], r["method"], f"{r['channels_removed']}",
                       f"{r['share']:.2%}", f"{r['kept_min']}-{r['kept_max']}", "yes" if r["stock"] else "no",
-                      f"{r['ppl']:.2f}", f"{r['ppl'] / ref:.3f}", f"{r['allocation_s'] or 0:.0f}", note])  # fmt: skip
+                      f"{r['ppl']:.2f}", f"{r['ppl'] / ref:.3f}", setup.acc_text(r.get("lastword")),
+                      f"{r['allocation_s'] or 0:.0f}", note])  # fmt: skip
     return common.table(["cut", "allocation", "comp.", "channels removed", "non-emb. removed", "kept widths",
-                         "stock class", "ppl", "ratio", "allocation s", "search"], lines, "lllrrllrrrl")  # fmt: skip
+                         "stock class", "ppl", "ratio", "last-word acc", "allocation s", "search"], lines,
+                        "lllrrllrrrrl")  # fmt: skip
 
 
 def allocation_run(args, bench, c: Costs, refs: dict, scores: dict, result: dict, model_info, test_ids, info,
@@ -385,8 +399,9 @@ def allocation_run(args, bench, c: Costs, refs: dict, scores: dict, result: dict
             for method in args.alloc_methods:
                 rows.append(allocation_row(bench, c, cut, allocation, None if method == "none" else method, scores))
                 common.write_json(args.json, partial)
-    print(f"\nunpruned perplexity {refs['unpruned']:.2f}; MLP channels by Wanda (activation, metric magnitude), "
-          f"multiple {MULTIPLE}; ratios to the unpruned model")  # fmt: skip
+    accuracy = setup.acc_text(result["lastword_references"]["unpruned"])
+    print(f"\nunpruned perplexity {refs['unpruned']:.2f}, last-word accuracy {accuracy}; MLP channels by Wanda "
+          f"(activation, metric magnitude), multiple {MULTIPLE}; ratios to the unpruned model")  # fmt: skip
     print(allocation_table(rows, refs["unpruned"]))
     limits = {0.10: 1.10, 0.25: 1.60}
     lines = []
@@ -447,7 +462,10 @@ def run(argv=None, script: str = __file__) -> int:
     refs = {}
     start = time.perf_counter()
     refs["unpruned"] = setup.ppl(base, test_ids, args, device)
-    print(f"  unpruned: ppl {refs['unpruned']:.2f}  [{time.perf_counter() - start:.0f} s]", flush=True)
+    accs = result["lastword_references"] = {"unpruned": bench.lastword(base)}
+    result["lastword_items"] = bench.lastword.items
+    print(f"  unpruned: ppl {refs['unpruned']:.2f}  last-word {setup.acc_text(accs['unpruned'])}  "
+          f"[{time.perf_counter() - start:.0f} s]", flush=True)  # fmt: skip
     start = time.perf_counter()
     scores = {}
     if args.allocations:
@@ -493,6 +511,7 @@ def run(argv=None, script: str = __file__) -> int:
             model = bench.fresh()
             trained = bench.train(model, distill=False)
             refs["unpruned fine-tuned"] = setup.ppl(model, test_ids, args, device)
+            accs["unpruned fine-tuned"] = bench.lastword(model)
             del model
             print(f"  unpruned, LM fine-tune {args.steps} steps: ppl {refs['unpruned fine-tuned']:.2f}  "
                   f"[{time.perf_counter() - start:.0f} s]", flush=True)  # fmt: skip
@@ -508,8 +527,10 @@ def run(argv=None, script: str = __file__) -> int:
         print(f"  time budget ({args.max_minutes:g} min) spent: distillation skipped for {'; '.join(skipped)}")
 
     print()
-    print(f"unpruned perplexity {refs['unpruned']:.2f}; after the same {args.steps}-step LM fine-tune "
-          f"{refs['unpruned fine-tuned']:.2f}; non-embedding parameters {c.non_embedding:,}")  # fmt: skip
+    tuned = setup.acc_text(accs.get("unpruned fine-tuned"))
+    print(f"unpruned perplexity {refs['unpruned']:.2f} (last-word {setup.acc_text(accs['unpruned'])}); after the "
+          f"same {args.steps}-step LM fine-tune {refs['unpruned fine-tuned']:.2f} (last-word {tuned}); "
+          f"non-embedding parameters {c.non_embedding:,}")  # fmt: skip
     for cut in args.cuts:
         print(f"\n-{cut:.0%} of the non-embedding parameters ({cut * c.non_embedding:,.0f}); ratios to the unpruned "
               f"model, distilled to the unpruned model fine-tuned {args.steps} steps")  # fmt: skip

@@ -237,6 +237,17 @@ def test_bench_speed_structural_cuts(tmp_path, capsys, common):
     assert "issue 12 target" in out and "n/a (needs sinv_prune.prune)" not in out
 
 
+def _lastword_column(result: dict, out: str) -> None:
+    """Every row (and the unpruned reference) has the last-word accuracy on --quick's 4 items (issue 19)."""
+    if importlib.util.find_spec("lm_eval") is None:
+        assert "last-word accuracy skipped" in out
+        return
+    assert result["lastword_items"] == 4 and "last-word acc" in out
+    measured = [r["lastword"] for r in result["rows"]] + [result["lastword_references"]["unpruned"]]
+    for m in measured:
+        assert 0.0 <= m["acc"] <= 1.0 and m["items"] == 4 and m["acc_stderr"] is not None
+
+
 def test_bench_recovery_quick(tmp_path, capsys, common):
     _need_wikitext(common)
     argv = ["--quick", "--threads", "1", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
@@ -271,6 +282,7 @@ def test_bench_recovery_quick(tmp_path, capsys, common):
     for label in ("| random", "| taylor", "| activation", "| sinv_gauge", "| magnitude", "targets (issue 11)"):
         assert label in out
     assert "iterative rows skipped for uniform 33%" in out
+    _lastword_column(result, out)
     _png(tmp_path / "r.png")
 
 
@@ -306,6 +318,7 @@ def test_bench_recovery_units_quick(tmp_path, capsys, common):
             if r["recovery"] != "one-shot":
                 assert r["train"]["steps"] == result["settings"]["steps"]
     assert len(result["targets"]) == 2 and all(isinstance(t["pass"], bool) for t in result["targets"])
+    _lastword_column(result, out)
 
 
 def test_bench_units_allocations_quick(tmp_path, capsys, common):
@@ -322,6 +335,7 @@ def test_bench_units_allocations_quick(tmp_path, capsys, common):
         assert r["method"] == "lsq" and 0 < r["params_removed"] <= 0.1 * non_embedding and r["ppl"] > 1
     assert uniform["stock"] and uniform["kept_min"] == uniform["kept_max"]
     assert search["search"]["evaluations"] == 3 and search["search"]["best_fitness"] <= search["search"]["seed_fitness"]
+    _lastword_column(result, out)
 
 
 def test_bench_units_amounts_match_smollm2_cuts():
