@@ -453,10 +453,17 @@ def run(argv=None, script: str = __file__) -> int:
     print(f"evaluation: WikiText-2 test.txt, first {test_ids.numel():,} tokens, windows of {args.seq_len}, float32")
     print(f"calibration: {args.calib_batches} x {args.calib_seq_len} valid.txt tokens for lsq (ridge picked on "
           f"held-out tokens, the default); criteria score on the first {args.score_batches}")  # fmt: skip
-    print(f"distillation: {args.steps} steps x {args.batch} x {args.ft_seq_len} valid.txt tokens after the "
-          f"calibration ones, run_trainer, AdamW lr {args.lr:g} constant, clip 1.0, alpha {args.alpha:g}, "
-          f"temperature {args.temperature:g}, teacher the unpruned model; reference: the unpruned model "
-          f"LM-fine-tuned the same steps")  # fmt: skip
+    if args.allocations:
+        search = args.search_budget or "the default"
+        print(f"allocation rows: one-shot, no training; search budget {search} evaluations")
+    else:
+        print(f"distillation: {args.steps} steps x {args.batch} x {args.ft_seq_len} valid.txt tokens after the "
+              f"calibration ones, run_trainer, AdamW lr {args.lr:g} constant, clip 1.0, alpha {args.alpha:g}, "
+              f"temperature {args.temperature:g}, teacher the unpruned model; reference: the unpruned model "
+              f"LM-fine-tuned the same steps")  # fmt: skip
+    if bench.lastword.items:
+        print(f"last-word accuracy: wikitext_lastword through lm-eval, the first {bench.lastword.items} items, "
+              "± its standard error")  # fmt: skip
     print(flush=True)
 
     refs = {}

@@ -399,7 +399,7 @@ class Pruner:
             if self.rounds == 1:
                 plan, requested = first, totals  # exactly one-shot
             else:
-                if index and not self._anything_left(model, start, totals):
+                if index and not self._left(model, start, totals):
                     break
                 if index:
                     if self.between_rounds is not None:
@@ -414,17 +414,22 @@ class Pruner:
             before = Geometry.of(model, self._units)
             summaries.append(_apply(model, plan, **removal))
             self.last_rounds.append(self._round_entry(index, requested, plan, summaries[-1], before))
+        short = self._left(model, start, totals) if self.rounds > 1 else {}
+        if short:
+            logger.warning("sinv_prune: %d rounds left %s of the one-shot totals %s uncut (granularity)",
+                           self.rounds, short, totals)  # fmt: skip
         summary = _combine(model, summaries, start)
         self.last_selection = {unit: _summary_plan(summary)[unit] for unit in self._units}
         return summary
 
-    def _anything_left(self, model: nn.Module, start: Geometry, totals: dict) -> bool:
+    def _left(self, model: nn.Module, start: Geometry, totals: dict) -> dict[str, int]:
+        """Per unit, how many of the totals the model has not lost yet (heads, channels: in the layers it has)."""
         now = Geometry.of(model, self._units)
         kept = range(len(now.layers))
         left = {unit: totals[unit] - now.removed_since(start, unit, kept) for unit in totals if unit != "layers"}
         if "layers" in totals:
             left["layers"] = totals["layers"] - (len(start.layers) - len(now.layers))
-        return any(v > 0 for v in left.values())
+        return {unit: n for unit, n in left.items() if n > 0}
 
     @property
     def _units(self) -> list[str]:
