@@ -14,6 +14,7 @@ the stock-layout and corrupted-checkpoint pushes run the same worker script in t
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -603,6 +604,22 @@ def test_card_of_a_pruned_hub_model_names_its_base_and_data(run_dir):
     assert "[HuggingFaceTB/SmolLM2-135M](https://huggingface.co/HuggingFaceTB/SmolLM2-135M)" in body
     assert "Hub data set `wikitext` (`wikitext-2-raw-v1`)" in body
     assert "| pruned **(this checkpoint)** |" in body and "pruned, not fine-tuned" in body
+
+
+def test_card_shows_the_zero_shot_task_scores_beside_perplexity(run_dir):
+    results = copy.deepcopy(run_dir.results)
+    arm = next(a for a in results["arms"] if a["name"] == ARM)
+    results["baseline"]["tasks"] = {"wikitext_lastword": {"acc": 0.26, "acc_stderr": 0.031, "perplexity": 54.0}}
+    arm["pruned"]["tasks"] = {"wikitext_lastword": {"acc": 0.19, "acc_stderr": 0.028}}
+    results["run"]["lm_eval"] = {"lm_eval_version": "0.4.9", "num_fewshot": 0, "limit": 200, "batch_size": 8,
+                                 "bootstrap_iters": 1000, "tasks": {"wikitext_lastword": {"version": 1.0}}}  # fmt: skip
+    config = transformers.AutoConfig.from_pretrained(run_dir.arm / "pruned")
+    _, body = card_parts(model_card(config, repo_id="me/x", results=results, arm=ARM, stage="pruned"))
+    assert "| model | parameters | perplexity | wikitext_lastword (acc) |" in body
+    assert "| 0.2600 ± 0.0310 |" in body and "| 0.1900 ± 0.0280 |" in body
+    assert "lm-eval 0.4.9, 0-shot, limit 200 items per task" in body
+    _, plain = card_parts(model_card(config, repo_id="me/x", results=run_dir.results, arm=ARM, stage="pruned"))
+    assert "(acc)" not in plain and "lm-eval" not in plain
 
 
 def test_card_of_an_unpruned_model_says_so():

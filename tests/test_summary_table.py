@@ -42,3 +42,18 @@ def test_layout_column_absent_when_no_arm_removes_heads():
     results = _results(gqa=True)
     results["arms"] = results["arms"][1:]
     assert "layout" not in summary_rows(results)[0]
+
+
+def test_task_means_sit_beside_perplexity_when_the_run_had_tasks(capsys):
+    results = _results(gqa=False)
+    assert "tasks mean pruned" not in summary_rows(results)[0]
+    results["baseline"]["tasks"] = {"a": {"acc": 0.5, "acc_norm": 0.75}, "b": {"acc": 0.25}}
+    results["arms"][0]["pruned"]["tasks"] = {"a": {"acc": 0.5, "acc_norm": 0.5}, "b": {"acc": 0.125}}
+    results["arms"][1]["pruned"]["tasks"] = {"a": {"acc_norm": 0.25}, "b": {"acc": 0.25}}
+    results["arms"][1]["finetuned"]["tasks"] = {"a": {"acc_norm": 0.5}, "b": {"acc": 0.5}}
+    rows = summary_rows(results)
+    assert [r["tasks mean pruned"] for r in rows] == ["0.500", "0.312", "0.250"]  # acc_norm where a task has it
+    assert [r["tasks mean fine-tuned"] for r in rows] == [None, None, "0.500"]
+    assert list(rows[0])[-1].startswith("forward speed-up")  # the speed column stays last
+    _print_summary(results, Path("runs/x"))
+    assert "tasks mean pruned" in capsys.readouterr().out

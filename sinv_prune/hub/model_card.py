@@ -19,6 +19,7 @@ from huggingface_hub import ModelCardData
 from transformers.models.auto import modeling_auto
 
 from sinv_prune.pipeline.report import speed_cell
+from sinv_prune.pipeline.report_tasks import pins_text, task_cell, task_header, task_names, task_pins
 from sinv_prune.surgery.checkpoint import _AUTO_MAPPINGS, PREFIX
 from sinv_prune.surgery.record import get_record
 from sinv_prune.version import __version__
@@ -190,13 +191,22 @@ def _evaluation(results, row, stage, recipe, baseline, after) -> list[str]:
     run = results.get("run") or {}
     mlm = run.get("task") == "masked-lm"
     ppl = "MLM perplexity" if mlm else "perplexity"
-    lines += [f"| model | parameters | {ppl} |", "| --- | ---: | ---: |"]
-    lines.append(f"| base model | {_num(baseline.get('params'))} | {_num(baseline.get('perplexity'), 3)} |")
-    for key, label in (("pruned", "pruned"), ("finetuned", "pruned + fine-tuned")):
-        if row.get(key):
-            mark = " **(this checkpoint)**" if key == stage else ""
-            lines.append(f"| {label}{mark} | {_num(row[key].get('params'))} | {_num(row[key].get('perplexity'), 3)} |")
+    names = task_names(results)
+    tasks = "".join(f" {task_header(results, n)} |" for n in names)
+    lines += [f"| model | parameters | {ppl} |{tasks}", "| --- | ---: | ---: |" + " ---: |" * len(names)]
+    models = [("base model", baseline)] + [
+        (label + (" **(this checkpoint)**" if key == stage else ""), row[key])
+        for key, label in (("pruned", "pruned"), ("finetuned", "pruned + fine-tuned"))
+        if row.get(key)
+    ]
+    for label, ev in models:
+        cells = "".join(f" {task_cell(ev, n)} |" for n in names)
+        lines.append(f"| {label} | {_num(ev.get('params'))} | {_num(ev.get('perplexity'), 3)} |{cells}")
     lines += ["", _data_sentence(recipe, run, after.get("eval") or baseline.get("eval") or {}, mlm), ""]
+    pins = task_pins(results) if names else None
+    if pins:
+        lines += ["Zero-shot tasks through lm-evaluation-harness (acc_norm where a task reports it, else acc, "
+                  "± standard error): " + pins_text(pins), ""]  # fmt: skip
     speed = after.get("speed") or {}
     if speed.get("speedup_vs_baseline"):
         how = (f"{speed.get('repeats')} interleaved runs, batch {speed.get('batch_size')} x {speed.get('seq_len')} "

@@ -38,6 +38,8 @@ def summary_rows(results: dict) -> list[dict]:
     (``results["run"]["gqa"]``; results written before it was recorded keep the column) and some
     arm removes heads: elsewhere every layout is the same cut.
     """
+    from sinv_prune.pipeline.report_tasks import mean_accuracy, task_names
+
     base = results["baseline"]
     rows = [_row("baseline", "-", None, base, None, base)]
     for arm in results["arms"]:
@@ -47,7 +49,23 @@ def summary_rows(results: dict) -> list[dict]:
     if not gqa or all(row["layout"] is None for row in rows):
         for row in rows:
             del row["layout"]
+    names = task_names(results)
+    if names:  # the zero-shot tasks' mean next to perplexity (each task is in report.md's task table)
+        models = [(base, None)] + [(arm["pruned"], arm.get("finetuned")) for arm in results["arms"]]
+        for row, (pruned, tuned) in zip(rows, models, strict=True):
+            speed = row.pop(SPEED_COLUMN)
+            row[TASKS_PRUNED] = _accuracy(mean_accuracy(pruned, names))
+            row[TASKS_TUNED] = _accuracy(mean_accuracy(tuned, names)) if tuned else None
+            row[SPEED_COLUMN] = speed
     return rows
+
+
+#: Summary columns of a run with zero-shot tasks: the mean of the task columns (acc_norm or acc).
+TASKS_PRUNED, TASKS_TUNED = "tasks mean pruned", "tasks mean fine-tuned"
+
+
+def _accuracy(value: float | None) -> str | None:
+    return None if value is None else f"{value:.3f}"
 
 
 def removed_text(counts: dict) -> str:

@@ -41,15 +41,33 @@ def mean_accuracy(evaluation: dict, names: list[str]) -> float | None:
     return sum(v[1] for v in values) / len(values)
 
 
+def task_header(results: dict, name: str) -> str:
+    """A task's column header: its name and the metric shown, ``arc_easy (acc_norm)``."""
+    head = _headline(results["baseline"]["tasks"][name])
+    return f"{name} ({head[0]})" if head else name
+
+
+def task_cell(evaluation: dict, name: str) -> str:
+    """``0.2600 ± 0.0311``: the task's headline metric with its standard error, ``-`` where missing."""
+    metrics = (evaluation.get("tasks") or {}).get(name)
+    head = _headline(metrics)
+    if head is None:
+        return "-"
+    stderr = metrics.get(f"{head[0]}_stderr")
+    return f"{head[1]:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else "")
+
+
+def task_pins(results: dict) -> dict | None:
+    """The lm-eval pins of the run (version, few-shot, limit, task versions), if it evaluated tasks."""
+    return (results.get("run") or {}).get("lm_eval") or results["baseline"].get("lm_eval")
+
+
 def task_lines(results: dict) -> list[str]:
     """Markdown: the task table (a column per task and the mean) and the pins under it; [] without tasks."""
     names = task_names(results)
     if not names:
         return []
-    columns = []
-    for name in names:
-        head = _headline(results["baseline"]["tasks"][name])
-        columns.append(f"{name} ({head[0]})" if head else name)
+    columns = [task_header(results, name) for name in names]
     lines = [
         "## Zero-shot tasks (lm-evaluation-harness)",
         "",
@@ -57,19 +75,11 @@ def task_lines(results: dict) -> list[str]:
         "| --- | --- | ---: | " + " | ".join("---:" for _ in columns) + " | ---: |",
     ]
     for arm, stage, evaluation in _models(results):
-        cells = []
-        for name in names:
-            metrics = (evaluation.get("tasks") or {}).get(name)
-            head = _headline(metrics)
-            if head is None:
-                cells.append("-")
-                continue
-            stderr = metrics.get(f"{head[0]}_stderr")
-            cells.append(f"{head[1]:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else ""))
+        cells = [task_cell(evaluation, name) for name in names]
         mean = mean_accuracy(evaluation, names)
         mean_cell = "-" if mean is None else f"{mean:.4f}"
         lines.append(f"| {arm} | {stage} | {evaluation['params']:,} | " + " | ".join(cells) + f" | {mean_cell} |")
-    pins = (results.get("run") or {}).get("lm_eval") or results["baseline"].get("lm_eval")
+    pins = task_pins(results)
     if pins:
         lines += ["", pins_text(pins)]
     return lines
