@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sinv_prune.log_level import log_level
+
 PIP_COMMAND = 'pip install "sinv_prune[eval]"'
 #: lm-eval's batch size on the CPU when ``auto`` is asked: its detection times batches of up to 64
 #: of the longest request five times, and finds no out-of-memory error to stop at on the CPU.
@@ -255,14 +257,12 @@ def make_table(result: dict) -> str:
 @contextlib.contextmanager
 def _quiet_lm_eval():
     """lm-eval's warnings about a model passed as an object (expected here) off; bootstrap in-process."""
-    log = logging.getLogger("lm_eval")
-    level, env = log.level, os.environ.get("DISABLE_MULTIPROC")
-    log.setLevel(logging.ERROR)
+    env = os.environ.get("DISABLE_MULTIPROC")
     os.environ["DISABLE_MULTIPROC"] = "1"  # no process pool forked from a process holding a model
     try:
-        yield
+        with log_level("lm_eval", logging.ERROR):
+            yield
     finally:
-        log.setLevel(level)
         if env is None:
             os.environ.pop("DISABLE_MULTIPROC", None)
         else:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from sinv_prune.log_level import log_level
 from sinv_prune.pipeline import data as data_mod
 from sinv_prune.pipeline.evaluation import (
     compare_speed,
@@ -141,20 +142,15 @@ def _on_main(run: Run, fn):
 @contextlib.contextmanager
 def _main_logs_only(run: Run):
     """The run log (``run.log``) on the main process; the other processes log warnings only."""
-    log = logging.getLogger("sinv_prune")
     if not run.ranks.is_main:
-        level = log.level
-        log.setLevel(logging.WARNING)
-        try:
+        with log_level("sinv_prune", logging.WARNING):
             yield
-        finally:
-            log.setLevel(level)
         return
     handler = _log_to_file(run.root / "run.log")
     try:
         yield
     finally:
-        log.removeHandler(handler)
+        logging.getLogger("sinv_prune").removeHandler(handler)
         logging.getLogger("transformers").removeHandler(handler)
         handler.close()
 

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import math
@@ -19,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from sinv_prune.arch import get_adapter
+from sinv_prune.log_level import log_level
 from sinv_prune.scoring.allocation import (
     Context,
     allocate,
@@ -485,7 +485,7 @@ class Pruner:
             floor = [quarter(len(start.channels[now.layers[i]])) for i in kept]
         for request in (share, remaining):
             try:
-                with _quiet_selection():
+                with log_level(select_channels.__module__, logging.ERROR):  # a share the multiple misses: ours
                     chosen = select_channels([sizes[i] for i in kept], [rows[i] for i in kept], request,
                                              mode=part.mode, min_channels_per_layer=floor, multiple=part.multiple,
                                              seed=part.seed)  # fmt: skip
@@ -832,18 +832,6 @@ def _combine(model: nn.Module, summaries: list[PruneSummary], start: Geometry) -
                 mlp.append(MlpChange(before, [index[c] for c in gone], gone, len(kept)))
     return PruneSummary(heads, summaries[0].params_before, summaries[-1].params_after, mlp=mlp,
                         removed_layers=dropped, removed_layers_original=[start.layers[i] for i in dropped])  # fmt: skip
-
-
-@contextlib.contextmanager
-def _quiet_selection():
-    """A round asks for a share the multiple may not hit; the warning about it is not the user's business."""
-    selection_logger = logging.getLogger(select_channels.__module__)
-    level = selection_logger.level
-    selection_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        selection_logger.setLevel(level)
 
 
 def check_amount(amount):
