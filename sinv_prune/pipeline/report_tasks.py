@@ -22,7 +22,7 @@ def _models(results: dict) -> list[tuple[str, str, dict]]:
 
 def task_names(results: dict) -> list[str]:
     """The report's task columns: the baseline's tasks, a group's aggregate instead of its subtasks."""
-    base = results["baseline"]
+    base = results.get("baseline") or {}
     pins = base.get("lm_eval") or {}
     return list(pins.get("columns") or (base.get("tasks") or {}).keys())
 
