@@ -397,7 +397,7 @@ class Pruner:
         self.last_rounds = []
         for index in range(self.rounds):
             if self.rounds == 1:
-                plan, requested = first, totals  # exactly one-shot
+                plan, requested, before = first, totals, start  # exactly one-shot
             else:
                 if index and not self._left(model, start, totals):
                     break
@@ -405,13 +405,13 @@ class Pruner:
                     if self.between_rounds is not None:
                         self.between_rounds(model, index - 1)
                     self.score(model, batches, trace)
-                plan, requested = self._round_plan(model, start, totals, self.rounds - index)
+                before = Geometry.of(model, self._units)
+                plan, requested = self._round_plan(model, start, before, totals, self.rounds - index)
             if not any(requested.values()):
                 break
             if not any(plan.values()):
                 logger.warning("sinv_prune: round %d can remove none of the %s left; stopping", index, requested)
                 break
-            before = Geometry.of(model, self._units)
             summaries.append(_apply(model, plan, **removal))
             self.last_rounds.append(self._round_entry(index, requested, plan, summaries[-1], before))
         short = self._left(model, start, totals) if self.rounds > 1 else {}
@@ -425,23 +425,24 @@ class Pruner:
     def _left(self, model: nn.Module, start: Geometry, totals: dict) -> dict[str, int]:
         """Per unit, how many of the totals the model has not lost yet (heads, channels: in the layers it has)."""
         now = Geometry.of(model, self._units)
-        kept = range(len(now.layers))
-        left = {unit: totals[unit] - now.removed_since(start, unit, kept) for unit in totals if unit != "layers"}
-        if "layers" in totals:
-            left["layers"] = totals["layers"] - (len(start.layers) - len(now.layers))
+        left = {unit: now.left(start, totals, unit, range(len(now.layers))) for unit in totals}
         return {unit: n for unit, n in left.items() if n > 0}
 
     @property
     def _units(self) -> list[str]:
         return [unit for unit in ("layers", "heads", "mlp") if self.part(unit) is not None]
 
-    def _round_plan(self, model: nn.Module, start: Geometry, totals: dict, left: int) -> tuple[Plan, dict]:
-        """One round's plan from ``last_scores`` and what it asked for: ``remaining / left`` of each unit."""
-        scores, adapter, now = self.last_scores, get_adapter(model), Geometry.of(model, self._units)
-        kept, plan, requested = list(range(adapter.num_layers)), {}, {}
+    def _round_plan(
+        self, model: nn.Module, start: Geometry, now: Geometry, totals: dict, left: int
+    ) -> tuple[Plan, dict]:
+        """One round's plan from ``last_scores`` and what it asked for: ``remaining / left`` of each unit.
+
+        ``now`` is the model's geometry as the round starts."""
+        scores = self.last_scores
+        kept, plan, requested = list(range(len(now.layers))), {}, {}
         layers = self.part("layers")
         if layers is not None:
-            remaining = totals["layers"] - (len(start.layers) - len(kept))
+            remaining = now.left(start, totals, "layers", kept)
             requested["layers"] = share = -(-remaining // left)
             chosen = select_layers(_layer_scores(scores["layers"], len(kept)), share,
                                    min_layers=layers.min_per_layer or 1, seed=layers.seed) if share else []  # fmt: skip
@@ -450,7 +451,7 @@ class Pruner:
         for unit in ("heads", "mlp"):
             if self.part(unit) is None:
                 continue
-            remaining = totals[unit] - now.removed_since(start, unit, kept)
+            remaining = now.left(start, totals, unit, kept)
             requested[unit] = share = -(-remaining // left)
             if share <= 0:
                 plan[unit] = {}
@@ -780,20 +781,30 @@ class Geometry:
             heads = {i: list(range(adapter.layout(i).num_heads)) for i in layers}
         channels = {}
         if "mlp" in units:
+            known = record is not None and record.intermediate_size  # older records: unpruned MLPs
             for i, orig in enumerate(layers):
-                known = record is not None and record.intermediate_size
                 channels[orig] = record.kept_channels(orig) if known else list(range(adapter.intermediate_size(i)))
         return cls(layers, heads, channels)
 
-    def removed_since(self, start: Geometry, unit: str, kept: Sequence[int]) -> int:
-        """Heads or channels removed since ``start`` from the current layers ``kept``."""
+    def left(self, start: Geometry, totals: Mapping[str, int], unit: str, kept: Sequence[int]) -> int:
+        """How many of ``totals[unit]`` are still to go: layers since ``start``; heads or channels
+        removed since ``start`` count only in the current layers ``kept`` (a dropped layer's do not)."""
+        if unit == "layers":
+            return totals[unit] - (len(start.layers) - len(self.layers))
         now, then = (self.heads, start.heads) if unit == "heads" else (self.channels, start.channels)
-        return sum(len(then[self.layers[i]]) - len(now[self.layers[i]]) for i in kept)
+        return totals[unit] - sum(len(then[self.layers[i]]) - len(now[self.layers[i]]) for i in kept)
 
 
 def _plan_counts(plan: Plan) -> dict[str, int]:
     """``{unit: how many}`` of a plan."""
     return {unit: len(value) if unit == "layers" else sum(map(len, value.values())) for unit, value in plan.items()}
+
+
+def _gone(then: list[int], now: list[int]) -> tuple[list[int], list[int]]:
+    """The entries of ``then`` missing from ``now``: (their positions in ``then``, the entries)."""
+    kept = set(now)
+    where = [k for k, unit in enumerate(then) if unit not in kept]
+    return where, [then[k] for k in where]
 
 
 def _summary_plan(summary: PruneSummary) -> Plan:
@@ -819,17 +830,14 @@ def _combine(model: nn.Module, summaries: list[PruneSummary], start: Geometry) -
         if orig not in position:
             dropped.append(before)
             continue
-        gone = [h for h in start.heads[orig] if h not in set(end.heads[orig])]
+        where, gone = _gone(start.heads[orig], end.heads[orig])
         if gone:
             now = adapter.layout(position[orig])
-            heads.append(LayerChange(before, [start.heads[orig].index(h) for h in gone], gone, now.num_heads,
-                                     now.num_kv_heads))  # fmt: skip
+            heads.append(LayerChange(before, where, gone, now.num_heads, now.num_kv_heads))
         if start.channels:
-            kept = set(end.channels[orig])
-            gone = [c for c in start.channels[orig] if c not in kept]
+            where, gone = _gone(start.channels[orig], end.channels[orig])
             if gone:
-                index = {c: k for k, c in enumerate(start.channels[orig])}
-                mlp.append(MlpChange(before, [index[c] for c in gone], gone, len(kept)))
+                mlp.append(MlpChange(before, where, gone, len(end.channels[orig])))
     return PruneSummary(heads, summaries[0].params_before, summaries[-1].params_after, mlp=mlp,
                         removed_layers=dropped, removed_layers_original=[start.layers[i] for i in dropped])  # fmt: skip
 

@@ -107,13 +107,12 @@ def select_channels(
     # global: scores standardised within each layer first (FLAP), so no layer's scale decides for it.
     ranks = _ranks([standardize(r) for r in rows] if mode == "global" else rows, mode, seed)
     order = [sorted(range(len(r)), key=r.__getitem__) for r in ranks]  # lowest rank (remove first) first
-    keeps = [(quarter(n) if mode == "global" else 1) if min_keep is None else min_keep for n in sizes]
     if floors is not None:
-        keeps = floors
+        keeps, shown = floors, "per-layer floors"
+    else:
+        keeps = [(quarter(n) if mode == "global" else 1) if min_keep is None else min_keep for n in sizes]
+        shown = "a quarter of each layer" if min_keep is None and mode == "global" else (min_keep or 1)
     allowed = [_removals(n, keep, step) for n, keep in zip(sizes, keeps, strict=True)]
-    shown = "a quarter of each layer" if min_keep is None and mode == "global" else (min_keep or 1)
-    if floors is not None:
-        shown = "per-layer floors"
     where = f"with min_channels_per_layer={shown} and multiple={step}"
     if mode == "uniform":
         counts = _uniform(sizes, min_keep or 1, step, wanted, where)
