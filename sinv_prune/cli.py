@@ -555,11 +555,12 @@ def push(source: Path, repo_id: str, private: bool, revision, overwrite: bool, c
 @click.option("--perplexity", is_flag=True, help="Also the WikiText-2 test perplexity (SINV_PRUNE_WIKITEXT).")
 @click.option("--max-tokens", type=click.IntRange(2), default=None, help="Perplexity on the first N tokens only.")
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
+@click.option("--tokenizer", default=None, metavar="PATH", help="Tokenizer directory, Hub id or .gguf file.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when present).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write each task's metrics to FILE.")
 @click.option("--overwrite", is_flag=True, help="Replace the --json FILE if it exists.")
-def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens, gguf_file, device, json_path,
-          overwrite):  # fmt: skip
+def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens, gguf_file, tokenizer, device,
+          json_path, overwrite):  # fmt: skip
     """Zero-shot tasks (lm-evaluation-harness) on the model at SOURCE: a checkpoint directory, Hub id or GGUF file."""
     from sinv_prune.lmeval.command import evaluate_source
     from sinv_prune.lmeval.harness import TasksError, make_table, require_lm_eval
@@ -583,7 +584,7 @@ def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens,
         out = evaluate_source(
             source, names, gguf_file=gguf_file, limit=int(limit) if limit and limit >= 1 else limit,
             num_fewshot=num_fewshot, batch_size=batch_size, device=device, perplexity=perplexity,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens, tokenizer=tokenizer,
         )  # fmt: skip
     except (TasksError, OSError, ValueError) as err:
         raise UsageError(_one_line(err)) from None
@@ -613,12 +614,21 @@ def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens,
 )
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
 @click.option(
+    "--tokenizer",
+    "tokenizer_path",
+    default=None,
+    metavar="PATH",
+    help="Tokenizer directory, Hub id or .gguf file (default: the model's own, its run's, or its source GGUF).",
+)
+@click.option("--no-vocab", is_flag=True, help="Write a vocabulary-free file (token ids in, logits out).")
+@click.option(
     "--verify/--no-verify",
     default=None,
     help="Compare llama.cpp's logits with transformers' (default: when llama-cpp-python is installed).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
-def export(source: str, output: Path, type_: str, gguf_file: str | None, verify: bool | None, overwrite: bool):
+def export(source: str, output: Path, type_: str, gguf_file: str | None, tokenizer_path: str | None, no_vocab: bool,
+           verify: bool | None, overwrite: bool):  # fmt: skip
     """Write the model at SOURCE as one GGUF file OUTPUT that llama.cpp runs (any per-layer shape it can express).
 
     \b
@@ -627,37 +637,66 @@ def export(source: str, output: Path, type_: str, gguf_file: str | None, verify:
       RUN_DIR/arms/DIR        an arm directory (its fine-tuned model if any, else the pruned one)
       MODEL_DIR               any checkpoint directory, e.g. RUN_DIR/arms/DIR/pruned
     The tokenizer is copied from the GGUF file the model (or its run) was loaded from, else built
-    from the checkpoint's transformers tokenizer.
+    from the checkpoint's (or its run's) transformers tokenizer, else from --tokenizer; with none of
+    these the export stops (--no-vocab writes a file without one). The file is checked in llama.cpp
+    before it is moved into place: a float32 file that does not match leaves nothing behind.
     """
     from sinv_prune.deploy import export_gguf
-    from sinv_prune.deploy.sources import run_gguf_source, tokenizer_dir
+    from sinv_prune.deploy.errors import ExportError
     from sinv_prune.hub.push import run_of_model
-    from sinv_prune.pipeline.data import load_model_tokenizer
     from sinv_prune.surgery.checkpoint import from_pretrained
 
     if output.exists() and not overwrite:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
+    if no_vocab and tokenizer_path:
+        raise UsageError("--tokenizer and --no-vocab exclude each other")
     path = _model_source(source, gguf_file)
     local = Path(path)
     run = run_of_model(local) if (local / "config.json").is_file() else None
     try:
         model = from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {})).eval()
-        tok_source = tokenizer_dir(local, run) if local.is_dir() and not gguf_file else None
-        if tok_source is not None:
-            tokenizer = load_model_tokenizer(str(tok_source))
-        elif gguf_file or local.suffix == ".gguf":
-            tokenizer = load_model_tokenizer(path, gguf_file=gguf_file)
-        else:
-            tokenizer = None if local.exists() else _load_tokenizer(path, None)  # a Hub id
+    except (OSError, ValueError) as err:
+        raise UsageError(_one_line(err)) from None
+    tokenizer, tokenizer_gguf = (None, None) if no_vocab else _export_tokenizer(model, path, gguf_file, run,
+                                                                                 tokenizer_path)  # fmt: skip
+    try:
         result = export_gguf(
-            model, tokenizer, output, type=type_, verify=verify, overwrite=overwrite,
-            tokenizer_gguf=None if getattr(model, "sinv_gguf_source", None) else run_gguf_source(run),
+            model, tokenizer, output, type=type_, verify=verify, overwrite=overwrite, tokenizer_gguf=tokenizer_gguf,
+            vocab=not no_vocab,
         )  # fmt: skip
-    except (OSError, ValueError, ImportError) as err:
+    except (ExportError, ImportError) as err:
         raise UsageError(_one_line(err)) from None
     click.echo(str(result))
-    if result.verify is not None and not result.verify.passed:
-        raise UsageError(f"{output} was written but does not match transformers: {result.verify}")
+
+
+def _export_tokenizer(model, path: str, gguf_file: str | None, run: Path | None, explicit: str | None):
+    """(transformers tokenizer, GGUF file to copy the tokenizer keys from) for ``sinv-prune export``."""
+    from sinv_prune.deploy.sources import run_gguf_source, tokenizer_dir
+    from sinv_prune.pipeline.data import load_model_tokenizer
+
+    local = Path(path)
+    try:
+        if explicit:
+            if explicit.endswith(".gguf") and Path(explicit).is_file():
+                return load_model_tokenizer(explicit), explicit
+            return load_model_tokenizer(explicit), None
+        source_gguf = None if getattr(model, "sinv_gguf_source", None) else run_gguf_source(run)
+        tok_source = tokenizer_dir(local, run) if local.is_dir() and not gguf_file else None
+        if tok_source is not None:
+            return load_model_tokenizer(str(tok_source)), source_gguf
+        if gguf_file or local.suffix == ".gguf":
+            return load_model_tokenizer(path, gguf_file=gguf_file), source_gguf
+        if not local.exists():  # a Hub id
+            return _load_tokenizer(path, None), source_gguf
+    except (OSError, ValueError) as err:
+        where = f"--tokenizer {explicit}" if explicit else path
+        raise UsageError(f"cannot load the tokenizer from {where}: {_one_line(err)}") from None
+    if source_gguf is None:
+        raise UsageError(
+            f"{path} has no tokenizer: pass --tokenizer PATH (the directory or .gguf file it came from), "
+            "or --no-vocab for a vocabulary-free file"
+        )
+    return None, source_gguf
 
 
 @main.command()

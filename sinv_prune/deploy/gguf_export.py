@@ -7,8 +7,8 @@ and biases, or the export is refused with one line naming what llama.cpp lacks
 (:mod:`~sinv_prune.deploy.gguf_vocab`) and tensors are written to a temporary file next to
 ``path``, which is renamed into place only when complete; then, by default when llama-cpp-python
 is installed, the file is loaded in llama.cpp and its logits compared with the model's
-(:mod:`~sinv_prune.deploy.gguf_verify`). A failed check leaves the file and says so in the
-summary; nothing is written on a refusal. Memory: one float32 copy of the weights (plus the
+(:mod:`~sinv_prune.deploy.gguf_verify`) before the file is moved into place: a failed check,
+like a refusal, leaves nothing at the output path. Memory: one float32 copy of the weights (plus the
 quantized copy being written).
 """
 
@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from sinv_prune.deploy import gguf_verify
-from sinv_prune.deploy.gguf_layout import GGUFLayout, plan_layout, rope_parameters
+from sinv_prune.deploy.errors import ExportRefused, RoundTripFailed
+from sinv_prune.deploy.gguf_layout import GGUFLayout, check_exportable, plan_layout, rope_parameters
 from sinv_prune.deploy.gguf_tensors import (
     FILE_TYPES,
     QTYPES,
@@ -45,6 +46,10 @@ from sinv_prune.version import __version__
 SOURCE_ATTR = "sinv_gguf_source"
 #: Greedy tokens generated on both sides by the check, shown side by side in the summary and report.
 CONTINUE_TOKENS = 16
+NO_TOKENIZER = (
+    "no tokenizer for the GGUF file: pass the model's tokenizer (the CLI's --tokenizer PATH), a GGUF file to "
+    "copy it from (tokenizer_gguf=), or vocab=False (--no-vocab) for a vocabulary-free file"
+)
 
 
 @dataclass
@@ -89,15 +94,20 @@ def export_gguf(
     tokenizer_gguf: str | os.PathLike | None = None,
     name: str | None = None,
     overwrite: bool = False,
+    vocab: bool = True,
 ) -> GGUFExport:
     """Write ``model`` (pruned or not) as a GGUF file llama.cpp runs, any per-layer shape it can express.
 
     ``type``: ``f32``, ``f16``, ``bf16``, ``q8_0`` or ``q4_0`` (1-D tensors stay float32).
-    ``tokenizer``: a transformers tokenizer, or None for a vocabulary-free file. The tokenizer keys
-    are copied from ``tokenizer_gguf`` (default: the GGUF file the model was loaded from, if any).
-    ``verify``: load the file in llama.cpp and compare logits with the model (default: when
-    llama-cpp-python is installed). Raises ``ValueError`` (one line, nothing written) when no
-    llama.cpp architecture computes what the model computes.
+    ``tokenizer``: a transformers tokenizer; its keys are copied from ``tokenizer_gguf`` instead
+    (default: the GGUF file the model was loaded from, if any). With neither, the export is refused
+    unless ``vocab=False`` asks for a vocabulary-free file (token ids in, logits out), which chat
+    front ends (ollama, llama.cpp's chat) cannot use.
+    ``verify``: load the file in llama.cpp and compare logits with the model before it is moved into
+    place (default: when llama-cpp-python is installed); a float32 file that does not match raises
+    :class:`~sinv_prune.deploy.errors.RoundTripFailed` and leaves nothing at ``path``.
+    Raises :class:`~sinv_prune.deploy.errors.ExportRefused` (one line, nothing written) when no
+    llama.cpp architecture computes what the model computes or an argument is wrong.
 
     Example::
 
@@ -105,18 +115,23 @@ def export_gguf(
         print(sinv_prune.export_gguf(model, tokenizer, "model.gguf", type="q8_0"))
     """
     if type not in QTYPES:
-        raise ValueError(f"type must be one of {', '.join(QTYPES)}, got {type!r}")
+        raise ExportRefused(f"type must be one of {', '.join(QTYPES)}, got {type!r}")
     path = Path(path)
     if path.exists() and not overwrite:
-        raise ValueError(f"{path} exists; pass overwrite=True to replace it")
+        raise ExportRefused(f"{path} exists; pass overwrite=True to replace it")
     if verify is None:
         verify = gguf_verify.llama_cpp_available()
     elif verify and not gguf_verify.llama_cpp_available():
-        raise ValueError(f"verify=True needs llama-cpp-python: {gguf_verify.PIP_HINT}")
+        raise ExportRefused(f"verify=True needs llama-cpp-python: {gguf_verify.PIP_HINT}")
     source = tokenizer_gguf if tokenizer_gguf is not None else getattr(model, SOURCE_ATTR, None)
     if source is not None and not Path(source).is_file():
-        raise ValueError(f"tokenizer_gguf: {source} is not a file")
+        raise ExportRefused(f"tokenizer_gguf: {source} is not a file")
+    if not vocab:
+        tokenizer = source = None
+    elif tokenizer is None and source is None:
+        raise ExportRefused(NO_TOKENIZER)
 
+    check_exportable(model)  # the cheap refusals, before the float32 copy of the weights
     family_arch = {"mistral": "llama"}.get(model.config.model_type, model.config.model_type)
     tensors = collect_tensors(model, family_arch) if family_arch in ("llama", "qwen2", "qwen3", "gpt2") else None
     layout = plan_layout(model, nonzero_biases(tensors or []))
@@ -145,19 +160,28 @@ def export_gguf(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=True)
         writer.close()
+        result = GGUFExport(path, layout.arch, type, Path(tmp).stat().st_size, parameters, len(layout.layers),
+                            vocab_note, list(layout.notes))  # fmt: skip
+        if verify:
+            result.verify = _round_trip(tmp, model, tokenizer, type, n_vocab, layout.arch)
+            if not result.verify.passed:
+                raise RoundTripFailed(
+                    f"{path}: llama.cpp's logits do not match transformers' ({result.verify.failure()}); "
+                    "nothing was written"
+                )
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    result = GGUFExport(path, layout.arch, type, path.stat().st_size, parameters, len(layout.layers), vocab_note,
-                        list(layout.notes))  # fmt: skip
-    if verify:
-        ids = gguf_verify.prompt_ids(tokenizer, n_vocab)
-        exact = type == "f32" and next(model.parameters()).dtype == torch.float32
-        result.verify = gguf_verify.verify_gguf(
-            path, model, ids, exact_type=exact, continue_tokens=CONTINUE_TOKENS, tokenizer=tokenizer
-        )
     return result
+
+
+def _round_trip(file: str, model: nn.Module, tokenizer, type: str, n_vocab: int, arch: str):  # noqa: A002
+    """The built-in check: a short prompt in both, judged when the file stores the model's own float32 weights."""
+    ids = gguf_verify.prompt_ids(tokenizer, n_vocab)
+    exact = type == "f32" and next(model.parameters()).dtype == torch.float32
+    return gguf_verify.verify_gguf(file, model, ids, exact_type=exact, arch=arch, continue_tokens=CONTINUE_TOKENS,
+                                   tokenizer=tokenizer)  # fmt: skip
 
 
 def _add_general(writer: gguf.GGUFWriter, model: nn.Module, name: str | None, type: str, parameters: int) -> None:

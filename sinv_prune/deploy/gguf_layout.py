@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from sinv_prune.arch import get_adapter
+from sinv_prune.deploy.errors import ExportRefused
 
 #: Families this exporter writes, and the llama.cpp architecture each has of its own.
 NATIVE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
@@ -70,9 +71,9 @@ def plan_layout(model: nn.Module, biases: dict[int, set[str]]) -> GGUFLayout:
     config = model.config
     family = config.model_type
     if family not in NATIVE:
-        raise ValueError(_unsupported(family))
+        raise ExportRefused(_unsupported(family))
     if getattr(model, "lm_head", None) is None:
-        raise ValueError(f"{type(model).__name__} has no language-model head; export the ...ForCausalLM model")
+        raise ExportRefused(f"{type(model).__name__} has no language-model head; export the ...ForCausalLM model")
     adapter = get_adapter(model)
     layers = [
         LayerShape(adapter.layout(i).num_heads, adapter.layout(i).num_kv_heads, adapter.intermediate_size(i))
@@ -90,20 +91,20 @@ def plan_layout(model: nn.Module, biases: dict[int, set[str]]) -> GGUFLayout:
                 layout.notes.append(f"written as llama.cpp '{arch}' ({reasons[-1]} under '{NATIVE[family]}')")
             return layout
         reasons.append(reason)
-    raise ValueError(f"cannot export this {family} model to GGUF exactly: {reasons[-1]}")
+    raise ExportRefused(f"cannot export this {family} model to GGUF exactly: {reasons[-1]}")
 
 
 def check_exportable(model: nn.Module, verify: bool | None = None) -> None:
     """What can be refused before any pruning (a recipe's preflight): the family and its settings."""
     family = model.config.model_type
     if family not in NATIVE:
-        raise ValueError(_unsupported(family))
+        raise ExportRefused(_unsupported(family))
     _check_config(model.config, family)
     if verify:
         from sinv_prune.deploy.gguf_verify import PIP_HINT, llama_cpp_available
 
         if not llama_cpp_available():
-            raise ValueError(f"verify: true needs llama-cpp-python: {PIP_HINT}")
+            raise ExportRefused(f"verify: true needs llama-cpp-python: {PIP_HINT}")
 
 
 def _unsupported(family: str) -> str:
@@ -119,23 +120,25 @@ def _check_config(config, family: str) -> None:
     """Model settings no llama.cpp architecture here reproduces."""
     if family == "gpt2":
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
-            raise ValueError(
+            raise ExportRefused(
                 "cannot export: llama.cpp's gpt2 has no per-layer attention scaling (scale_attn_by_inverse_layer_idx)"
             )
         if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"cannot export: llama.cpp's gpt2 uses tanh-GELU, not {config.activation_function!r}")
+            raise ExportRefused(f"cannot export: llama.cpp's gpt2 uses tanh-GELU, not {config.activation_function!r}")
         return
     if config.hidden_act != "silu":
-        raise ValueError(f"cannot export: llama.cpp's {family} MLP uses SiLU, not {config.hidden_act!r}")
+        raise ExportRefused(f"cannot export: llama.cpp's {family} MLP uses SiLU, not {config.hidden_act!r}")
     if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
-        raise ValueError("cannot export: llama.cpp's llama/deci rotate the whole head (partial_rotary_factor < 1)")
+        raise ExportRefused("cannot export: llama.cpp's llama/deci rotate the whole head (partial_rotary_factor < 1)")
     if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
         getattr(config, "layer_types", None) or ()
     ):
-        raise ValueError(f"cannot export: llama.cpp's {NATIVE[family]} has no sliding-window layers")
+        raise ExportRefused(f"cannot export: llama.cpp's {NATIVE[family]} has no sliding-window layers")
     rope = rope_parameters(config)
     if rope.get("rope_type", "default") not in ("default", "linear", "llama3"):
-        raise ValueError(f"cannot export: rope_type {rope['rope_type']!r} is not written (default, linear, llama3 are)")
+        raise ExportRefused(
+            f"cannot export: rope_type {rope['rope_type']!r} is not written (default, linear, llama3 are)"
+        )
 
 
 def rope_parameters(config) -> dict:

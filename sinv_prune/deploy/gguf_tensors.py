@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from sinv_prune.deploy.errors import ExportRefused
+
 #: Storage type per ``type=`` choice; 1-D tensors (norms, biases) stay float32 in every file.
 QTYPES = {
     "f32": gguf.GGMLQuantizationType.F32,
@@ -69,7 +71,7 @@ def collect_tensors(model: nn.Module, arch: str) -> list[Tensor]:
             continue
         name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
-            raise ValueError(f"cannot export: tensor {key!r} has no place in llama.cpp's {arch}")
+            raise ExportRefused(f"cannot export: tensor {key!r} has no place in llama.cpp's {arch}")
         data = value.detach().to("cpu", torch.float32)
         if config.model_type == "gpt2" and key.endswith(_CONV1D):
             data = data.t()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import gguf
 
+from sinv_prune.deploy.errors import ExportRefused
 from sinv_prune.deploy.pre_tokenizers import CHECK_TEXT, PRE_TOKENIZERS
 
 
@@ -40,7 +41,7 @@ def copy_tokenizer(writer: gguf.GGUFWriter, source: Path, n_vocab: int) -> None:
     reader = gguf.GGUFReader(source)
     tokens = reader.fields.get(gguf.Keys.Tokenizer.LIST)
     if tokens is not None and len(tokens.data) != n_vocab:
-        raise ValueError(
+        raise ExportRefused(
             f"cannot copy the tokenizer of {source.name}: {len(tokens.data)} tokens, the model embeds {n_vocab}"
         )
     for key, field in reader.fields.items():
@@ -62,7 +63,7 @@ def pre_tokenizer_name(tokenizer) -> str:
     """llama.cpp's name for the tokenizer's pre-tokenizer, by the hash convert_hf_to_gguf.py uses."""
     digest = hashlib.sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
     if digest not in PRE_TOKENIZERS:
-        raise ValueError(
+        raise ExportRefused(
             f"cannot export the tokenizer: llama.cpp does not know its pre-tokenizer (hash {digest[:12]}...); "
             "export from the model's GGUF file (tokenizer_gguf=) or without a tokenizer"
         )
@@ -81,13 +82,13 @@ def build_from_hf(writer: gguf.GGUFWriter, tokenizer, n_vocab: int) -> str:
         try:
             gguf.vocab.BpeVocab(Path(tmp))  # raises for anything but byte-level BPE
         except (FileNotFoundError, ValueError, KeyError) as err:
-            raise ValueError(
+            raise ExportRefused(
                 f"cannot export the tokenizer: not byte-level BPE, which is what llama.cpp reads ({err})"
             ) from None
         special = gguf.SpecialVocab(tmp, load_merges=True, n_vocab=n_vocab)
     vocab = tokenizer.get_vocab()
     if max(vocab.values()) >= n_vocab:
-        raise ValueError(
+        raise ExportRefused(
             f"cannot export the tokenizer: ids up to {max(vocab.values())}, the model embeds only {n_vocab}"
         )
     reverse = {i: t for t, i in vocab.items()}

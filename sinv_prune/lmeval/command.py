@@ -13,6 +13,7 @@ from typing import Any
 
 from sinv_prune.lmeval.harness import evaluate_tasks, resolve_tasks
 from sinv_prune.lmeval.lastword import cache_root, source_file
+from sinv_prune.surgery.keep_tokenizer import has_tokenizer
 
 #: ``--perplexity``: windows of at most this many tokens (fewer where the model's context is shorter), half overlapping.
 PERPLEXITY_SEQ_LEN = 512
@@ -29,9 +30,12 @@ def evaluate_source(
     device: str | None = None,
     perplexity: bool = False,
     max_tokens: int | None = None,
+    tokenizer: str | None = None,
 ) -> dict[str, Any]:
     """Load SOURCE, run ``tasks`` (and WikiText-2 test perplexity); ``{"source", "tasks", "lm_eval", ...}``.
 
+    ``tokenizer``: where to load the tokenizer from (default: SOURCE itself). A checkpoint directory
+    without one is refused (``ValueError``, one line saying how to fix it) before anything loads.
     The ``"lm_eval"`` key holds the pins; ``"raw"`` lm-eval's own result dict (for its table).
     """
     import torch
@@ -39,12 +43,17 @@ def evaluate_source(
     from sinv_prune.pipeline.data import load_model_tokenizer
     from sinv_prune.surgery.checkpoint import from_pretrained
 
+    if tokenizer is None and not gguf_file and os.path.isdir(source) and not has_tokenizer(source):
+        raise ValueError(
+            f"{source} has no tokenizer: pass --tokenizer PATH (the directory, Hub id or .gguf file it came from), "
+            "or save it next to the model (tokenizer.save_pretrained)"
+        )
     task_set = resolve_tasks(tasks, os.getcwd(), build_dir=cache_root(), where="--tasks") if tasks else None
     text = source_file().read_text(encoding="utf-8") if perplexity else None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     model = from_pretrained(source, **kwargs).to(device).eval()
-    tokenizer = load_model_tokenizer(source, **kwargs)
+    tokenizer = load_model_tokenizer(tokenizer) if tokenizer else load_model_tokenizer(source, **kwargs)
     out: dict[str, Any] = {"source": source, **({"gguf_file": gguf_file} if gguf_file else {})}
     if task_set is not None:
         result = evaluate_tasks(model, tokenizer, task_set, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size)

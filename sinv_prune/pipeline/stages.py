@@ -755,6 +755,7 @@ def stage_export(run: Run, results: dict) -> dict:
     import json
 
     from sinv_prune.deploy import export_gguf
+    from sinv_prune.deploy.errors import ExportError
 
     spec = run.recipe.export.gguf if run.recipe.export else None
     path = run.root / "gguf.json"
@@ -772,9 +773,9 @@ def stage_export(run: Run, results: dict) -> dict:
         try:
             summary = export_gguf(
                 model, run.tokenizer if spec.vocab else None, file, type=spec.type, verify=spec.verify,
-                tokenizer_gguf=source if spec.vocab else None, overwrite=True,
+                tokenizer_gguf=source if spec.vocab else None, overwrite=True, vocab=spec.vocab,
             )  # fmt: skip
-        except ValueError as err:
+        except ExportError as err:
             raise RunStageError(f"export.gguf ({name}): {err}") from None
         out[name] = {**summary.to_json(), "path": str(file.relative_to(run.root))}
         logger.info("gguf %s: %s", name, str(summary).replace("\n", "; "), extra=CONSOLE)

@@ -32,6 +32,7 @@ from transformers import AutoConfig
 from transformers.models.auto import modeling_auto
 
 from sinv_prune.arch import HeadAdapter
+from sinv_prune.surgery.keep_tokenizer import remember_tokenizer, tokenizer_source
 from sinv_prune.surgery.record import PruningRecord, get_record
 from sinv_prune.surgery.shapes import apply_record
 from sinv_prune.symmetry import restore_symmetry_breaking
@@ -212,6 +213,7 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, model_cls: type | Non
         if os.path.isfile(source):  # export_gguf copies the tokenizer keys from here
             model.sinv_gguf_source = os.path.abspath(source)
     restore_symmetry_breaking(model)  # eval after reload matches training-time biases
+    remember_tokenizer(model, tokenizer_source(path, **kwargs))
     return model
 
 
