@@ -12,6 +12,7 @@ import re
 import shlex
 from pathlib import Path
 
+import gguf
 import huggingface_hub
 import pytest
 import torch
@@ -124,3 +125,20 @@ def test_every_python_block_runs_on_the_model_the_readme_builds(tmp_path, monkey
     removed = sum(len(channels) for channels in namespace["pruner"].last_selection["mlp"].values())
     assert all(width % 64 == 0 for width in widths)  # multiple=64
     assert removed == (sum(widths) + removed) // 4  # 25% of the channels in the layers that stay
+
+    # Then the shell commands of "Evaluate and deploy", in order, on what the example saved.
+    from click.testing import CliRunner
+
+    from sinv_prune.cli import main
+
+    deploy = text().split("## Evaluate and deploy", 1)[1]
+    (commands,) = [code for kind, code in BLOCK.findall(deploy)[:1] if kind == "bash"]
+    for line in commands.strip().splitlines():
+        result = CliRunner().invoke(main, shlex.split(line)[1:])
+        assert result.exit_code == 0, (line, result.output)
+        if line.startswith("sinv-prune eval"):
+            assert re.search(r"wikitext_lastword.*acc", result.output), result.output
+    (gguf_file,) = tmp_path.glob("*.gguf")
+    reader = gguf.GGUFReader(gguf_file)
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == 49152  # chat front ends need the vocabulary
+    assert "tokenizer: none" not in result.output and "round trip passed" in result.output
