@@ -44,11 +44,12 @@ from sinv_prune.pipeline.model_settings import (
     unloadable_reason,
     wrap_lora,
 )
-from sinv_prune.pipeline.preflight import build_model, is_masked_lm, preflight
+from sinv_prune.pipeline.preflight import preflight
 from sinv_prune.pipeline.ranks import Ranks
 from sinv_prune.pipeline.recipe import ArmSpec, PartSpec, Recipe, recipe_to_yaml
 from sinv_prune.pipeline.report import removed_text, write_report
 from sinv_prune.pipeline.rundir import RunDir, write_dir, write_json, write_text
+from sinv_prune.pipeline.starting_model import build_model, is_masked_lm
 from sinv_prune.pipeline.tasks import model_tasks
 from sinv_prune.pipeline.threads import parse_threads, recipe_threads
 from sinv_prune.pipeline.training import remove_checkpoints, run_trainer
