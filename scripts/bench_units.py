@@ -55,7 +55,7 @@ import _bench_setup as setup  # noqa: E402
 
 from sinv_prune import Part, Pruner, count_parameters, get_adapter  # noqa: E402
 from sinv_prune.pipeline.stages import StoredScores  # noqa: E402
-from sinv_prune.scoring.allocation import ALLOCATIONS  # noqa: E402
+from sinv_prune.scoring.allocation import allocations  # noqa: E402
 from sinv_prune.surgery.record import get_record  # noqa: E402
 
 CUTS = (0.10, 0.25)
@@ -72,7 +72,7 @@ def parse(argv):
     ap.add_argument("--units", action="store_true", help="this mode (bench_recovery.py passes it on)")
     ap.add_argument("--quick", action="store_true", help="tiny random LLaMA, tiny budgets: tests the script only")
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-    ap.add_argument("--allocations", nargs="+", choices=ALLOCATIONS,
+    ap.add_argument("--allocations", nargs="+", choices=allocations(),
                     help="instead of the arms: MLP-channel rows per allocation (issue 17)")  # fmt: skip
     ap.add_argument("--alloc-methods", nargs="+", choices=("none", "lsq", "obs"), default=["lsq"],
                     help="compensation of the allocation rows (default lsq; obs: OBS selection + refit)")  # fmt: skip

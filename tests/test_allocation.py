@@ -15,9 +15,12 @@ from sinv_prune.scoring.allocation import (
     Group,
     KLFitness,
     allocate,
+    allocations,
     channel_cost,
     groups_for,
     non_embedding_parameters,
+    register,
+    unregister,
 )
 from sinv_prune.scoring.selection_units import select_channels, standardize
 
@@ -129,16 +132,13 @@ def test_search_is_deterministic_per_seed_and_never_worse_than_its_seed():
             for s in (0, 0, 1)]  # fmt: skip
     assert runs[0].counts == runs[1].counts
     seed_plan = allocate("standardized", groups, target)
-    fitness = KLFitness(model, groups, batches)
-    try:
+    with KLFitness(model, groups, batches) as fitness:
         seed_fit = fitness([seed_plan.counts[g.unit, g.layer] for g in groups])
         for found in runs:
             best = fitness([found.counts[g.unit, g.layer] for g in groups])
             assert best <= seed_fit + 1e-12
             assert found.details["search"]["seed_fitness"] == pytest.approx(seed_fit)
             assert found.removed == seed_plan.removed
-    finally:
-        fitness.close()
     assert not model.model.layers[0].mlp.down_proj._forward_pre_hooks  # the gates are gone
 
 
@@ -167,6 +167,83 @@ def test_allocation_errors_are_one_line():
         Part("mlp", "magnitude", {"parameters": 0.1})
     with pytest.raises(ValueError, match="needs calibration batches"):
         Pruner([Part("mlp", "magnitude", 0.1, allocation="search")]).select(tiny_model("llama"))
+
+
+@pytest.fixture
+def last_layers_first():
+    """A toy strategy registered while the test runs: it takes the whole target from the last layers."""
+    seen = {}
+
+    @register("last_layers_first", options=("note",))
+    def strategy(groups, target, context):
+        seen["options"] = dict(context.options)
+        counts = [0] * len(groups)
+        for i in reversed(range(len(groups))):
+            counts[i] = max((k for k in groups[i].allowed if k * groups[i].cost <= target), default=0)
+            target -= counts[i] * groups[i].cost
+        return counts
+
+    yield seen
+    unregister("last_layers_first")
+    assert "last_layers_first" not in allocations()
+
+
+def test_a_registered_strategy_is_accepted_by_part_pruner_and_recipe(last_layers_first):
+    from test_pipeline import TINY
+
+    from sinv_prune.pipeline.recipe import validate_recipe
+
+    assert allocations()[-1] == "last_layers_first"
+    model = tiny_model("llama", num_hidden_layers=3)
+    part = Part("mlp", "magnitude", 10, allocation="last_layers_first", allocation_options={"note": 1})
+    plan = Pruner([part]).select(model)
+    assert list(plan["mlp"]) == [2] and len(plan["mlp"][2]) == 10
+    assert last_layers_first["options"] == {"note": 1}
+    with pytest.raises(ValueError, match=r"allocation 'last_layers_first' takes no option\(s\) \['budget'\]"):
+        Part("mlp", "magnitude", 10, allocation="last_layers_first", allocation_options={"budget": 1})
+    arm = {"unit": "mlp", "criterion": "magnitude", "amount": 8, "allocation": "last_layers_first"}
+    recipe = validate_recipe({**TINY, "prune": {"arms": [arm]}})
+    assert recipe.prune.arms[0].part_specs[0].allocation == "last_layers_first"
+    with pytest.raises(Exception, match="unknown allocation 'first_layers_first'; choose one of uniform, "):
+        validate_recipe({**TINY, "prune": {"arms": [{**arm, "allocation": "first_layers_first"}]}})
+
+
+def test_register_refuses_taken_and_malformed_names(last_layers_first):
+    for name in ("uniform", "search", "last_layers_first", "Bad-Name"):
+        with pytest.raises(ValueError, match="already registered|lower snake case"):
+            register(name)
+    with pytest.raises(ValueError, match="'nothing' is not registered"):
+        unregister("nothing")
+
+
+def _gate_hooks(model) -> int:
+    return sum(len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_kl_fitness_leaves_no_gates_however_its_block_ends(monkeypatch):
+    from sinv_prune.scoring import allocation
+
+    model = tiny_model("llama", num_hidden_layers=3).train()
+    batches = [model_inputs(0, batch=2, length=8)]
+    groups = groups_for(model, "mlp", [[1.0] * 64] * 3, range(3), min_per_layer=None)
+    assert _gate_hooks(model) == 0
+    with pytest.raises(RuntimeError, match="boom"), KLFitness(model, groups, batches) as fitness:
+        assert _gate_hooks(model) > 0 and not model.training
+        fitness([0, 1, 2])
+        raise RuntimeError("boom")
+    assert _gate_hooks(model) == 0 and model.training
+    bad = [{"input_ids": torch.full((1, 4), 10_000)}]  # the reference forward fails inside __enter__
+    with pytest.raises(IndexError), KLFitness(model, groups, bad):
+        pass
+    assert _gate_hooks(model) == 0 and model.training
+
+    def fail(*args):
+        raise RuntimeError("mutation failed")
+
+    monkeypatch.setattr(allocation, "_mutate", fail)  # a failure in the middle of the search
+    with pytest.raises(RuntimeError, match="mutation failed"):
+        allocate("search", groups, 8 * groups[0].cost, Context(model, batches, options={"budget": 4}, quiet=True))
+    assert _gate_hooks(model) == 0 and model.training
 
 
 def test_params_amount_works_for_the_selection_modes_too():

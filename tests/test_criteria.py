@@ -11,7 +11,6 @@ import torch
 from conftest import ARCHS, model_inputs, tiny_model
 
 from sinv_prune import get_adapter, head_gates, head_measures, prune_heads
-from sinv_prune.scoring.criteria import _CRITERIA as REGISTRY
 from sinv_prune.scoring.criteria import (
     ActivationCriterion,
     Criterion,
@@ -22,6 +21,7 @@ from sinv_prune.scoring.criteria import (
     get_criterion,
     register_criterion,
 )
+from sinv_prune.scoring.criteria.registry import _CRITERIA as REGISTRY
 from sinv_prune.scoring.trace import append_trace
 
 BUILTIN = ["activation", "entropy", "magnitude", "random", "sinv_early", "sinv_gauge", "sinv_static", "taylor"]

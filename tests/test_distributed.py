@@ -21,8 +21,8 @@ from test_pipeline import TINY, invoke, recipe_file
 
 from sinv_prune.pipeline import data as data_mod
 from sinv_prune.pipeline import stages as pipeline
-from sinv_prune.pipeline.preflight import build_model
 from sinv_prune.pipeline.recipe import validate_recipe
+from sinv_prune.pipeline.starting_model import build_model
 
 pytestmark = pytest.mark.slow
 

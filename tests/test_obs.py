@@ -9,7 +9,9 @@ from conftest import model_inputs, model_output, tiny_model
 from test_compensation import calibration, make_redundant
 
 import sinv_prune
+from sinv_prune import Part, Pruner
 from sinv_prune.arch import get_adapter
+from sinv_prune.scoring.criteria.base import Criterion
 from sinv_prune.surgery.obs import obs_select
 from sinv_prune.surgery.record import get_record
 
@@ -83,3 +85,52 @@ def test_obs_select_quotas_and_exactness():
     assert chosen[0] == 0 and len({1, 7} & set(chosen)) == 1 and len(chosen) == 3  # quotas per group
     blocks = obs_select(x.T @ x, weight, 2, [(list(range(4)), 1)])  # units of 2 columns: unit 3 copies unit 0
     assert blocks in ([0], [3])
+
+
+class Fixed(Criterion):
+    """Scores given up front (lowest goes first), so the plan is known before OBS changes it."""
+
+    name = "fixed"
+
+    def __init__(self, unit: str, rows: list):
+        self.units, self.rows = (unit,), rows
+
+    def scores(self, model):
+        return self.rows
+
+
+OBS_OPTIONS = dict(ridge=1e-10, precision="float64", holdout=0)
+
+
+def test_pruner_reports_the_channels_obs_removed_not_the_planned_ones():
+    model = tiny_model("llama")  # 3 layers of 64 channels
+    duplicate_channels(model, 0, {10: 3, 20: 4, 30: 5})
+    original = get_adapter(model).layers()[0].mlp.gate_proj.weight.detach().clone()
+    rows = [[0.0] * 3 + [1.0] * 61] + [[10 + 0.01 * j for j in range(64)] for _ in range(2)]
+    part = Part("mlp", Fixed("mlp", rows), 3)
+    assert Pruner([part]).select(copy.deepcopy(model)) == {"mlp": {0: [0, 1, 2]}}  # the plan
+    pruner = Pruner([part], compensate="obs", compensation_options=OBS_OPTIONS)
+    summary = pruner.prune(model, calibration=calibration())
+
+    record = get_record(model.config).pruned_mlp
+    assert list(record) == [0] and record[0] != [0, 1, 2]  # OBS took one of each duplicate pair instead
+    kept = [c for c in range(64) if c not in record[0]]  # the rows still in the model are the others
+    assert torch.equal(get_adapter(model).layers()[0].mlp.gate_proj.weight, original[kept])
+    assert pruner.last_selection == {"mlp": {0: record[0]}} == {"mlp": {c.layer: c.removed for c in summary.mlp}}
+    report = pruner.report()
+    assert report["selection"] == {"mlp": {"0": record[0]}}
+    assert [r["selection"] for r in report["per_round"]] == [{"mlp": {"0": record[0]}}]
+
+
+def test_head_pruner_rounds_report_the_heads_obs_removed():
+    model = tiny_model("gpt2")  # 3 layers of 4 heads, each its own KV head
+    make_redundant(model, 1, 3, 0, seed=1)
+    rows = [[1.0] * 4, [1.0, 0.0, 1.0, 1.0], [1.0] * 4]  # the plan: layer 1's head 1
+    pruner = Pruner([Part("heads", Fixed("heads", rows), 1)], compensate="obs", compensation_options=OBS_OPTIONS)
+    pruner.prune(model, calibration=calibration())
+
+    removed = get_record(model.config).pruned_heads
+    assert removed in ({1: [3]}, {1: [0]})  # the copy or its source, not the planned head 1
+    assert pruner.last_selection == {"heads": removed}
+    assert pruner.report()["selection"] == {"heads": {"1": removed[1]}}
+    assert pruner.report()["per_round"][0]["selection"] == {"1": removed[1]}

@@ -367,10 +367,15 @@ def test_prune_makes_one_call_to_surgery_prune(monkeypatch):
     model = tiny_model("llama")
     batches = [model_inputs(seed) for seed in range(2)]
     pruner = Pruner([Part("mlp", "activation", 0.25, multiple=8), Part("layers", "block_influence", 1)])
+    planned = Pruner([Part("mlp", "activation", 0.25, multiple=8), Part("layers", "block_influence", 1)]).select(
+        copy.deepcopy(model), batches=batches
+    )
     summary = pruner.prune(model, batches=batches)
-    assert len(calls) == 1 and calls[0] == (pruner.last_selection, {})
+    assert len(calls) == 1 and calls[0] == (planned, {})
     assert summary.params_after == 5 and set(calls[0][0]) == {"mlp", "layers"}
-    assert pruner.report()["per_round"][0]["selection"]["layers"] == calls[0][0]["layers"]
+    # the selection reported is what the removal says it removed (the fake: nothing), not the plan
+    assert pruner.last_selection == {"layers": [], "mlp": {}}
+    assert pruner.report()["per_round"][0]["selection"] == {"layers": [], "mlp": {}}
 
     calls.clear()
     compensated = Pruner([Part("mlp", "magnitude", 8)], compensate="lsq", compensation_options={"ridge": 0.1})

@@ -181,7 +181,8 @@ def test_shipped_recipes_validate():
 
 def registered(name: str, units: tuple[str, ...]):
     """A criterion registered as ``name`` for ``units`` while the test runs (real ones declare theirs)."""
-    from sinv_prune.scoring.criteria import _CRITERIA, Criterion, register_criterion
+    from sinv_prune.scoring.criteria import Criterion, register_criterion
+    from sinv_prune.scoring.criteria.registry import _CRITERIA
 
     register_criterion(name)(type(name, (Criterion,), {"units": units}))
     yield name

@@ -21,8 +21,8 @@ from sinv_prune.pipeline import data as data_mod
 from sinv_prune.pipeline import estimate
 from sinv_prune.pipeline import stages as pipeline
 from sinv_prune.pipeline.model_settings import default_target_modules, input_device, load_kwargs, unloadable_reason
-from sinv_prune.pipeline.preflight import build_model
 from sinv_prune.pipeline.recipe import RecipeError, recipe_to_yaml, validate_recipe
+from sinv_prune.pipeline.starting_model import build_model
 from sinv_prune.pipeline.training import run_trainer
 
 LLAMA = dict(

@@ -130,6 +130,16 @@ def test_channel_rounds_keep_the_floor_of_the_start_width():
     assert summary.channels_removed == 192 and channel_counts(model) == [16, 16, 16, 16]
 
 
+def test_rounds_take_the_ceiling_of_what_is_left_over_the_rounds_left():
+    """10 channels in 3 rounds: ceil(10/3), ceil(7/2), ceil(3/1) = 4, 3, 3 (the floor would give 3, 3, 4)."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    pruner = Pruner([Part("mlp", "magnitude", 10, mode="global")], rounds=3)
+    summary = pruner.prune(model)
+    per_round = pruner.report()["per_round"]
+    assert [r["requested"]["mlp"] for r in per_round] == [4, 3, 3]
+    assert [r["channels_removed"] for r in per_round] == [4, 3, 3] and summary.channels_removed == 10
+
+
 def test_channel_rounds_with_a_multiple_keep_it_and_stop_at_the_total():
     model = tiny_model("llama", num_hidden_layers=3)
     pruner = Pruner([Part("mlp", "magnitude", 0.25, mode="uniform", multiple=8)], rounds=2)

@@ -6,7 +6,6 @@ Serves BERT, RoBERTa and the encoders that share their modules, bare or inside
 
 from __future__ import annotations
 
-from sinv_prune.arch import register_adapter
 from sinv_prune.arch.base import (
     HeadAdapter,
     HeadLayout,
@@ -16,6 +15,7 @@ from sinv_prune.arch.base import (
     select_in,
     select_out,
 )
+from sinv_prune.arch.registry import register_adapter
 
 
 @register_adapter

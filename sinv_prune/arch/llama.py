@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from sinv_prune.arch import register_adapter
 from sinv_prune.arch.base import (
     HeadAdapter,
     HeadLayout,
@@ -12,6 +11,7 @@ from sinv_prune.arch.base import (
     select_in,
     select_out,
 )
+from sinv_prune.arch.registry import register_adapter
 
 
 @register_adapter

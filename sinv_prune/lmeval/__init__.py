@@ -5,16 +5,8 @@ See :mod:`sinv_prune.lmeval.harness` (running lm-eval on an in-memory model) and
 not import ``lm_eval``.
 """
 
-from sinv_prune.lmeval.harness import (
-    PIP_COMMAND,
-    TasksError,
-    TaskSet,
-    evaluate_tasks,
-    headline,
-    make_table,
-    require_lm_eval,
-    resolve_tasks,
-)
+from sinv_prune.lmeval.dependency import PIP_COMMAND, TasksError, require_lm_eval
+from sinv_prune.lmeval.harness import TaskSet, evaluate_tasks, headline, make_table, resolve_tasks
 from sinv_prune.lmeval.lastword import TASK_NAME as LASTWORD_TASK
 from sinv_prune.lmeval.lastword import build_lastword_task
 

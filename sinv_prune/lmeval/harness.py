@@ -1,7 +1,8 @@
 """lm-evaluation-harness on an in-memory model: the one place ``lm_eval`` is imported.
 
-``lm-eval`` is an optional extra (``pip install "sinv_prune[eval]"``); :func:`require_lm_eval`
-turns its absence into a one-line :class:`TasksError` naming that command.
+``lm-eval`` is an optional extra (``pip install "sinv_prune[eval]"``);
+:func:`~sinv_prune.lmeval.dependency.require_lm_eval` turns its absence into a one-line
+:class:`~sinv_prune.lmeval.dependency.TasksError` naming that command.
 
 A task entry (recipe ``evaluate.tasks``, ``sinv-prune eval --tasks``) is one of
 
@@ -30,28 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sinv_prune.lmeval.dependency import TasksError, require_lm_eval
 from sinv_prune.log_level import log_level
 
-PIP_COMMAND = 'pip install "sinv_prune[eval]"'
 #: lm-eval's batch size on the CPU when ``auto`` is asked: its detection times batches of up to 64
 #: of the longest request five times, and finds no out-of-memory error to stop at on the CPU.
 CPU_AUTO_BATCH_SIZE = 8
 #: Bootstrap resamples for standard errors without a closed form (perplexity): lm-eval's default,
 #: 100,000, takes minutes per task on a CPU and adds nothing at the precision a stderr is read.
 BOOTSTRAP_ITERS = 1000
-
-
-class TasksError(ValueError):
-    """A task list that cannot run (lm-eval missing, unknown task, empty directory); one line."""
-
-
-def require_lm_eval():
-    """The ``lm_eval`` module, or :class:`TasksError` with the pip command when it is not installed."""
-    try:
-        import lm_eval
-    except ImportError:
-        raise TasksError(f"lm-eval is not installed; run: {PIP_COMMAND}") from None
-    return lm_eval
 
 
 @dataclass

@@ -61,7 +61,7 @@ def source_file(source: str | os.PathLike | None = None) -> Path:
 
 def lastword_items(lines: list[str]) -> list[dict]:
     """The task's documents, ``{"context", "target", "line"}``, one per usable paragraph, in file order."""
-    from sinv_prune.lmeval.harness import require_lm_eval
+    from sinv_prune.lmeval.dependency import require_lm_eval
 
     require_lm_eval()
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from sinv_prune.pipeline.estimate_row import CHARS_PER_TOKEN, Row
 from sinv_prune.pipeline.recipe import Recipe, TrainSpec
 
 # Fixed allowances, not measured by the probe (seconds): building a Trainer and its data
@@ -25,9 +26,8 @@ from sinv_prune.pipeline.recipe import Recipe, TrainSpec
 TRAINER_START_S = 2.0
 REPORT_S = 3.0
 # Tokens a fast tokenizer makes per second (SmolLM2's on WikiText-2 on a busy 2-core machine:
-# 25.8k tokens in 0.26 s), and text characters per token of a subword tokenizer (that pair: 4.1).
+# 25.8k tokens in 0.26 s).
 TOKENIZE_TOKENS_PER_S = 100_000
-CHARS_PER_TOKEN = 4.0
 # The probe's calls grow (doubling the tokens, up to the recipe's batch shape) until one takes
 # PROBE_MIN_CALL_S and twice as long as the first (so the cost per token shows over the fixed
 # part), or PROBE_CALL_S; then a line through them extrapolates. Keeps the probe to seconds.
@@ -82,13 +82,6 @@ class Probe:
     copy_bps: float
     trainer_import_s: float  # importing transformers' Trainer (once per run)
     seconds: float = 0.0
-
-
-@dataclass
-class Row:
-    stage: str
-    seconds: float
-    what: str
 
 
 # -- the probe ----------------------------------------------------------------------------------
@@ -150,8 +143,8 @@ def _stand_in(recipe: Recipe, device: str):
     import transformers
     from transformers.initialization import no_init_weights
 
-    from sinv_prune.pipeline.preflight import scratch_config, starting_config
     from sinv_prune.pipeline.recipe import SCRATCH_ARCHITECTURES
+    from sinv_prune.pipeline.starting_model import scratch_config, starting_config
 
     start = time.perf_counter()
     if recipe.model.scratch:

@@ -408,8 +408,9 @@ def _given(model: BaseModel, keys: tuple[str, ...]) -> list[str]:
     return [k for k in keys if k in model.model_fields_set and getattr(model, k) != default[k]]
 
 
-#: How a part's cut is spread over layers (:mod:`sinv_prune.scoring.allocation`); uniform: the ``mode`` decides.
-Allocation = Literal["uniform", "standardized", "sensitivity", "search"]
+#: How a part's cut is spread over layers: ``uniform`` (the ``mode`` decides) or a strategy registered in
+#: :mod:`sinv_prune.scoring.allocation` (checked against its registry when the recipe is validated).
+Allocation = str
 
 
 def _positive_amount(v):
@@ -485,8 +486,8 @@ def _check_allocation(part) -> None:
         if part.allocation_options:
             raise ValueError("allocation_options need an allocation other than uniform")
         return
-    check_part_allocation(part.unit, part.mode, part.layout, part.allocation)
     check_allocation(part.allocation, part.allocation_options)
+    check_part_allocation(part.unit, part.mode, part.layout, part.allocation)
 
 
 class ArmSpec(Strict):

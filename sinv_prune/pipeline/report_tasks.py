@@ -133,7 +133,7 @@ def plot_accuracy_vs_params(results: dict, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sinv_prune.pipeline.report import per_arm_figure
+    from sinv_prune.pipeline.report_figure import per_arm_figure
 
     names = task_names(results)
     if not names or mean_accuracy(results["baseline"], names) is None:

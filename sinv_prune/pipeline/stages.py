@@ -44,14 +44,16 @@ from sinv_prune.pipeline.model_settings import (
     unloadable_reason,
     wrap_lora,
 )
-from sinv_prune.pipeline.preflight import build_model, is_masked_lm, preflight
+from sinv_prune.pipeline.preflight import preflight
 from sinv_prune.pipeline.ranks import Ranks
 from sinv_prune.pipeline.recipe import ArmSpec, PartSpec, Recipe, recipe_to_yaml
 from sinv_prune.pipeline.report import removed_text, write_report
 from sinv_prune.pipeline.rundir import RunDir, write_dir, write_json, write_text
+from sinv_prune.pipeline.starting_model import build_model, is_masked_lm
 from sinv_prune.pipeline.tasks import model_tasks
 from sinv_prune.pipeline.threads import parse_threads, recipe_threads
 from sinv_prune.pipeline.training import remove_checkpoints, run_trainer
+from sinv_prune.scoring.allocation import needs_data
 from sinv_prune.scoring.criteria import Criterion, StoredScores, criterion_class, get_criterion
 from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
 from sinv_prune.strict_json import with_null_reasons
@@ -482,8 +484,8 @@ def stage_prune(run: Run) -> None:
             state["rounds"] = pruner.last_rounds
         else:
             pruner = arm_pruner(run, arm, stored_criteria(arm, scores))
-            # sensitivity / search measure on the calibration batches, else on the scoring ones
-            measured = any(p.allocation in ("sensitivity", "search") for p in arm.part_specs)
+            # allocations that measure the model (sensitivity, search): calibration batches, else scoring ones
+            measured = any(needs_data(p.allocation) for p in arm.part_specs)
             batches = list(_score_batches(run)) if measured and calibration is None else None
             pruner.quiet = run.quiet
             summary = pruner.prune(model, batches=batches, calibration=calibration)

@@ -90,7 +90,7 @@ def estimate_rows(recipe: Recipe, probe) -> list:
     """
     import math
 
-    from sinv_prune.pipeline.estimate import CHARS_PER_TOKEN, Row
+    from sinv_prune.pipeline.estimate_row import CHARS_PER_TOKEN, Row
     from sinv_prune.pipeline.generations import DEFAULT_PROMPTS, NEW_TOKENS
 
     spec = recipe.evaluate

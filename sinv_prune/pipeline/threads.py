@@ -107,8 +107,8 @@ def recipe_params(recipe) -> int | None:
     import transformers
     from torch import nn
 
-    from sinv_prune.pipeline.preflight import starting_config
     from sinv_prune.pipeline.recipe import RecipeError
+    from sinv_prune.pipeline.starting_model import starting_config
 
     try:
         config, _ = starting_config(recipe)  # cached: a GGUF config takes seconds to read

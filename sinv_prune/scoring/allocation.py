@@ -5,7 +5,7 @@ allocation decides the per-layer counts; within a layer the lowest-scored units 
 under the part's GQA ``layout``). Every strategy sees the same :class:`Group` s (one per layer
 and unit kind: its scores, the parameters one unit holds, the removal counts the constraints
 allow: ``min_per_layer``, ``multiple``, GQA layout) and returns one allowed count per group.
-The strategies (registry :data:`STRATEGIES`, one function each):
+The strategies (registry :data:`STRATEGIES`, one function each, added with :func:`register`):
 
 * ``uniform``: not handled here; the part's ``mode`` decides (today's selection).
 * ``standardized`` (FLAP, An et al. 2024): scores standardised within each layer and unit kind
@@ -31,9 +31,11 @@ rounded down to the finest unit (``exact=True`` raises instead).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,15 +53,6 @@ from sinv_prune.scoring.selection import _configs, select_heads
 from sinv_prune.scoring.selection_units import _removals, quarter, standardize
 
 logger = logging.getLogger(__name__)
-
-ALLOCATIONS = ("uniform", "standardized", "sensitivity", "search")
-#: Options each strategy takes (``Part(..., allocation_options=...)``, recipe ``allocation_options``).
-OPTIONS = {
-    "uniform": (),
-    "standardized": (),
-    "sensitivity": ("trials", "batches"),
-    "search": ("budget", "offspring", "batches", "tokens", "levels"),
-}
 
 
 @dataclass
@@ -132,25 +125,70 @@ class Context:
 
 
 Strategy = Callable[[list[Group], int, Context], list[int]]
-STRATEGIES: dict[str, Strategy] = {}
 
 
-def register(name: str) -> Callable[[Strategy], Strategy]:
+@dataclass(frozen=True)
+class Registered:
+    """A registered strategy: its function, the options it takes (``Part(..., allocation_options=...)``,
+    recipe ``allocation_options``) and whether it measures the model on calibration batches."""
+
+    fn: Strategy
+    options: tuple[str, ...] = ()
+    needs_data: bool = False
+
+
+#: The one list of strategies: ``Part``, ``Pruner``, the recipe schema and :func:`allocate` read it.
+STRATEGIES: dict[str, Registered] = {}
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def register(name: str, *, options: Iterable[str] = (), needs_data: bool = False) -> Callable[[Strategy], Strategy]:
+    """Decorator: register ``fn(groups, target, context) -> counts`` as allocation ``name`` (lower snake case,
+    not ``uniform``, not taken), taking ``options``; ``needs_data``: it needs the model and calibration batches.
+
+    Example::
+
+        @register("first_layers_first", options=("skip",))
+        def first(groups, target, context): ...
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"allocation name must be lower snake case, got {name!r}")
+    if name == "uniform" or name in STRATEGIES:
+        raise ValueError(f"allocation {name!r} is already registered")
+
     def add(fn: Strategy) -> Strategy:
-        STRATEGIES[name] = fn
+        if name in STRATEGIES:
+            raise ValueError(f"allocation {name!r} is already registered")
+        STRATEGIES[name] = Registered(fn, tuple(options), needs_data)
         return fn
 
     return add
 
 
+def unregister(name: str) -> None:
+    """Remove a strategy :func:`register` added (built-in ones included); an unknown name raises."""
+    if STRATEGIES.pop(name, None) is None:
+        raise ValueError(f"allocation {name!r} is not registered")
+
+
+def allocations() -> tuple[str, ...]:
+    """Every allocation a part may name: ``uniform`` (the selection's own mode) and each registered strategy."""
+    return ("uniform", *STRATEGIES)
+
+
+def needs_data(name: str) -> bool:
+    """Whether allocation ``name`` measures the model on calibration batches (``uniform``: no)."""
+    return name in STRATEGIES and STRATEGIES[name].needs_data
+
+
 def check_allocation(name: str, options: Mapping[str, Any] | None = None) -> str:
-    """``name`` if it is one of :data:`ALLOCATIONS` and ``options`` are its own, else a one-line ``ValueError``."""
-    if name not in ALLOCATIONS:
-        raise ValueError(f"unknown allocation {name!r}; choose one of {', '.join(ALLOCATIONS)}")
-    unknown = sorted(set(options or {}) - set(OPTIONS[name]))
+    """``name`` if it is one of :func:`allocations` and ``options`` are its own, else a one-line ``ValueError``."""
+    if name not in allocations():
+        raise ValueError(f"unknown allocation {name!r}; choose one of {', '.join(allocations())}")
+    own = STRATEGIES[name].options if name in STRATEGIES else ()
+    unknown = sorted(set(options or {}) - set(own))
     if unknown:
-        known = ", ".join(OPTIONS[name]) or "none"
-        raise ValueError(f"allocation {name!r} takes no option(s) {unknown} (its options: {known})")
+        raise ValueError(f"allocation {name!r} takes no option(s) {unknown} (its options: {', '.join(own) or 'none'})")
     return name
 
 
@@ -219,7 +257,7 @@ def allocate(strategy: str, groups: list[Group], target: int, context: Context |
         raise ValueError(f"target of {target:,} parameters is more than the {most:,} the constraints let go")
     context = context or Context()
     start = time.perf_counter()
-    counts = STRATEGIES[strategy](groups, target, context)
+    counts = STRATEGIES[strategy].fn(groups, target, context)
     removed = sum(c * g.cost for c, g in zip(counts, groups, strict=True))
     assert removed <= target and all(c in g.allowed for c, g in zip(counts, groups, strict=True))
     finest = reduce(math.gcd, (g.cost for g in groups if g.cost), 0) or 1
@@ -287,7 +325,7 @@ def _standardized(groups: list[Group], target: int, context: Context) -> list[in
 # -- sensitivity --------------------------------------------------------------------------
 
 
-@register("sensitivity")
+@register("sensitivity", options=("trials", "batches"), needs_data=True)
 def _sensitivity(groups: list[Group], target: int, context: Context) -> list[int]:
     model, batches = _needs_data(context, "sensitivity")
     trials = int(context.options.get("trials", 4))
@@ -377,7 +415,7 @@ def _needs_data(context: Context, name: str) -> tuple[nn.Module, list]:
 # -- search -------------------------------------------------------------------------------
 
 
-@register("search")
+@register("search", options=("budget", "offspring", "batches", "tokens", "levels"), needs_data=True)
 def _search(groups: list[Group], target: int, context: Context) -> list[int]:
     model, batches = _needs_data(context, "search")
     opts = context.options
@@ -397,8 +435,7 @@ def _search(groups: list[Group], target: int, context: Context) -> list[int]:
     movable = [p for p in peers.values() if len(p) > 1]
     rng = random.Random(context.seed)
     fitness = KLFitness(model, groups, batches)
-    bar = tqdm(total=budget, desc="search (KL)", disable=context.quiet)
-    try:
+    with fitness, tqdm(total=budget, desc="search (KL)", disable=context.quiet) as bar:
         best, best_fit = list(seed_plan), fitness(seed_plan)
         seed_fit, history = best_fit, [best_fit]
         bar.update(1)
@@ -416,9 +453,6 @@ def _search(groups: list[Group], target: int, context: Context) -> list[int]:
                     best, best_fit = child, fit
                     bar.set_postfix(best=f"{best_fit:.5f}")
             history.append(best_fit)
-    finally:
-        bar.close()
-        fitness.close()
     context.details["search"] = {"seed_fitness": seed_fit, "best_fitness": best_fit, "evaluations": used,
                                  "budget": budget, "history": history}  # fmt: skip
     return best
@@ -456,18 +490,39 @@ def _truncate(batches: list, tokens: int | None) -> list:
 
 
 class KLFitness:
-    """KL(unpruned || masked) per token on fixed batches; a plan is applied by gates, nothing is removed."""
+    """KL(unpruned || masked) per token on fixed batches; a plan is applied by gates, nothing is removed.
+
+    A context manager: the gates (forward pre-hooks) and the eval mode hold inside the ``with`` block
+    only, and are gone however it ends (an error while the references are computed included)::
+
+        with KLFitness(model, groups, batches) as fitness:
+            kl = fitness(plan)
+    """
 
     def __init__(self, model: nn.Module, groups: Sequence[Group], batches: Sequence[Mapping]):
         self.model, self.groups, self.batches = model, list(groups), list(batches)
-        self._stack = []
-        self.was_training = model.training
-        model.eval()
-        hg, cg = head_gates(model, requires_grad=False), channel_gates(model, requires_grad=False)
-        self.gates = {"heads": hg.__enter__(), "mlp": cg.__enter__()}
-        self._stack = [cg, hg]
-        with torch.no_grad():
-            self.reference = [torch.log_softmax(self._logits(b).float(), -1) for b in self.batches]
+        self.gates: dict[str, list[torch.Tensor]] | None = None
+        self.reference: list[torch.Tensor] = []
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> KLFitness:
+        with contextlib.ExitStack() as stack:  # unwinds what was set up if a step below fails
+            stack.callback(self.model.train, self.model.training)
+            self.model.eval()
+            self.gates = {
+                "heads": stack.enter_context(head_gates(self.model, requires_grad=False)),
+                "mlp": stack.enter_context(channel_gates(self.model, requires_grad=False)),
+            }
+            with torch.no_grad():
+                self.reference = [torch.log_softmax(self._logits(b).float(), -1) for b in self.batches]
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack, self._stack = self._stack, None
+        self.gates, self.reference = None, []
+        if stack is not None:
+            stack.close()
 
     def _logits(self, batch: Mapping) -> torch.Tensor:
         device = next(self.model.parameters()).device
@@ -475,6 +530,8 @@ class KLFitness:
         return self.model(**feed, use_cache=False).logits
 
     def __call__(self, plan: Sequence[int]) -> float:
+        if self._stack is None:
+            raise RuntimeError("KLFitness measures inside its with block only")
         for g, k in zip(self.groups, plan, strict=True):
             gate = self.gates[g.unit][g.layer]
             gate.fill_(1.0)
@@ -490,12 +547,6 @@ class KLFitness:
                 total += float(kl.sum())
                 count += kl.numel()
         return total / max(count, 1)
-
-    def close(self) -> None:
-        for ctx in self._stack:
-            ctx.__exit__(None, None, None)
-        self._stack = []
-        self.model.train(self.was_training)
 
 
 def groups_for(

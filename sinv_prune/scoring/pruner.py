@@ -174,8 +174,10 @@ class Pruner:
     batches. ``allow_empty_layers`` (default: the heads part's ``min_per_layer == 0``) lets
     layers lose every head.
 
-    After a call: ``last_scores`` (``{unit: scores}``), ``last_selection`` (the plan) and
-    ``report()`` (per part).
+    After a call: ``last_scores`` (``{unit: scores}``), ``last_selection`` (after ``select``: the plan;
+    after ``prune``: what was removed, which under ``compensate="obs"`` differs from the plan, as
+    OBS picks the units itself) and ``report()`` (per part; its ``selection`` and ``per_round`` name
+    the removed units too).
 
     >>> pruner = Pruner([Part("layers", "block_influence", 2), Part("mlp", "activation", 0.25, multiple=8)])
     >>> summary = pruner.prune(model, batches=loader)
@@ -377,7 +379,8 @@ class Pruner:
         else:
             params = count_parameters(model)
             summary = PruneSummary([], params, params)
-        self.last_rounds = [self._round_entry(0, _plan_counts(plan), plan, summary, start)]
+        self.last_selection = {unit: _summary_plan(summary)[unit] for unit in self._units}
+        self.last_rounds = [self._round_entry(0, _plan_counts(plan), summary, start)]
         return summary
 
     @property
@@ -413,7 +416,7 @@ class Pruner:
                 logger.warning("sinv_prune: round %d can remove none of the %s left; stopping", index, requested)
                 break
             summaries.append(_apply(model, plan, **removal))
-            self.last_rounds.append(self._round_entry(index, requested, plan, summaries[-1], before))
+            self.last_rounds.append(self._round_entry(index, requested, summaries[-1], before))
         short = self._left(model, start, totals) if self.rounds > 1 else {}
         if short:
             logger.warning("sinv_prune: %d rounds left %s of the one-shot totals %s uncut (granularity)",
@@ -495,8 +498,11 @@ class Pruner:
             return {kept[i]: channels for i, channels in chosen.items()}
         return {}
 
-    def _round_entry(self, index: int, requested: dict, plan: Plan, summary: PruneSummary, before: Geometry) -> dict:
-        """One round for ``report()``: what it asked for and removed, layers and units in original numbering."""
+    def _round_entry(self, index: int, requested: dict, summary: PruneSummary, before: Geometry) -> dict:
+        """One round for ``report()``: what it asked for and removed, layers and units in original numbering.
+
+        The selection is read from ``summary`` (what the removal took), not from the round's plan:
+        OBS compensation chooses its own units."""
         entry = {
             "round": index,
             "requested": requested.get("heads", 0) if self.heads_only else dict(requested),
@@ -504,7 +510,7 @@ class Pruner:
             "channels_removed": summary.channels_removed,
             "layers_removed": summary.layers_removed,
         }
-        orig = before.layers
+        orig, plan = before.layers, _summary_plan(summary)
         selection = {
             "layers": [orig[i] for i in plan.get("layers", [])],
             "heads": {str(orig[i]): [before.heads[orig[i]][h] for h in hs] for i, hs in plan.get("heads", {}).items()},
@@ -811,8 +817,8 @@ def _summary_plan(summary: PruneSummary) -> Plan:
     """The plan a summary removed, numbered as the model was before it."""
     return {
         "layers": list(summary.removed_layers),
-        "heads": {c.layer: list(c.removed) for c in summary.layers},
-        "mlp": {c.layer: list(c.removed) for c in summary.mlp},
+        "heads": {c.layer: sorted(c.removed) for c in summary.layers},
+        "mlp": {c.layer: sorted(c.removed) for c in summary.mlp},
     }
 
 

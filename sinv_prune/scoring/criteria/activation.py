@@ -10,8 +10,8 @@ from torch import nn
 
 from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import linear_weight
-from sinv_prune.scoring.criteria import register_criterion
 from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, model_device, observe
+from sinv_prune.scoring.criteria.registry import register_criterion
 
 METRICS = ("fluctuation", "magnitude")
 _NOUN = {"heads": "head", "mlp": "channel"}

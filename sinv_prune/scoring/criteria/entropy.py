@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.scoring.criteria import register_criterion
 from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, model_device, preserve_modes
+from sinv_prune.scoring.criteria.registry import register_criterion
 
 
 @register_criterion("entropy")

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.scoring.criteria import register_criterion
 from sinv_prune.scoring.criteria.base import Criterion, batch_to, model_device, observe
+from sinv_prune.scoring.criteria.registry import register_criterion
 
 
 @register_criterion("block_influence")

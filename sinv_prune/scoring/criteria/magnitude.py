@@ -7,8 +7,8 @@ from torch import nn
 
 from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import linear_weight
-from sinv_prune.scoring.criteria import register_criterion
 from sinv_prune.scoring.criteria.base import Criterion, Scores
+from sinv_prune.scoring.criteria.registry import register_criterion
 
 
 @register_criterion("magnitude")

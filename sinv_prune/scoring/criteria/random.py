@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sinv_prune.scoring.criteria import register_criterion
 from sinv_prune.scoring.criteria.base import UNITS, Criterion, Scores, to_scores, unit_counts
+from sinv_prune.scoring.criteria.registry import register_criterion
 
 
 @register_criterion("random")

@@ -16,8 +16,8 @@ import os
 
 from torch import nn
 
-from sinv_prune.scoring.criteria import register_criterion
 from sinv_prune.scoring.criteria.base import Criterion, Scores, TraceLike, head_counts
+from sinv_prune.scoring.criteria.registry import register_criterion
 from sinv_prune.scoring.trace import read_trace
 from sinv_prune.surgery.record import get_record
 

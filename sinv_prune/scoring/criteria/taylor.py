@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from sinv_prune.scoring.criteria import register_criterion
 from sinv_prune.scoring.criteria.base import (
     Criterion,
     Scores,
@@ -18,6 +17,7 @@ from sinv_prune.scoring.criteria.base import (
     preserve_modes,
     to_scores,
 )
+from sinv_prune.scoring.criteria.registry import register_criterion
 from sinv_prune.scoring.gates import channel_gates, head_gates
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
