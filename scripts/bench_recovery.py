@@ -18,7 +18,8 @@ Rows, each on a fresh copy of the unpruned model:
   re-scoring the pruned model; with ``lsq`` each round's ``prune_heads`` compensates, so every round is
   refitted against the model as it was before that round). Each with and without lsq.
 * references: the unpruned model (one-shot rows' ratio) and the unpruned model LM-fine-tuned the same ``N``
-  steps on the same batches (fine-tuned and distilled rows' ratio).
+  steps on the same batches (fine-tuned and distilled rows' ratio); both cached per model, data and settings
+  (``_bench_setup.Bench.reference``), so a rerun measures only the rows.
 
 Data: calibration (for lsq / bias and for the data-driven criteria ``taylor`` and ``activation``) is the first
 ``--calib-batches`` x ``--calib-seq-len`` tokens of WikiText-2 valid.txt; fine-tune blocks are the valid.txt
@@ -333,20 +334,16 @@ def run(argv=None) -> int:
     )
     print(flush=True)
 
-    refs, ref_rows = {}, []
-    start = time.perf_counter()
-    refs["unpruned"], accs = ppl(base, test_ids, args, device), {"unpruned": bench.lastword(base)}
-    print(f"  unpruned: ppl {refs['unpruned']:.2f}  last-word {acc_text(accs['unpruned'])}  "
-          f"[{time.perf_counter() - start:.0f} s]", flush=True)  # fmt: skip
-    start = time.perf_counter()
-    model = bench.fresh()
-    trained = bench.train(model, distill=False)
-    refs["unpruned fine-tuned"] = ppl(model, test_ids, args, device)
-    accs["unpruned fine-tuned"] = bench.lastword(model)
-    del model
-    print(f"  unpruned, LM fine-tune {args.steps} steps: ppl {refs['unpruned fine-tuned']:.2f}  last-word "
-          f"{acc_text(accs['unpruned fine-tuned'])}  [{time.perf_counter() - start:.0f} s]", flush=True)  # fmt: skip
-    ref_rows.append({"name": "unpruned fine-tuned", "train": trained, "ppl": refs["unpruned fine-tuned"]})
+    refs, accs, ref_rows, cached = {}, {}, [], []
+    for name, finetuned in (("unpruned", False), ("unpruned fine-tuned", True)):
+        start = time.perf_counter()
+        measured, hit = bench.reference(finetuned)
+        refs[name], accs[name] = measured["ppl"], measured["lastword"]
+        cached += [name] if hit else []
+        label = f"unpruned, LM fine-tune {args.steps} steps" if finetuned else "unpruned"
+        when = "cached" if hit else f"{time.perf_counter() - start:.0f} s"
+        print(f"  {label}: ppl {refs[name]:.2f}  last-word {acc_text(accs[name])}  [{when}]", flush=True)
+    ref_rows.append({"name": "unpruned fine-tuned", "train": measured["train"], "ppl": refs["unpruned fine-tuned"]})
 
     scores, score_s = {}, {}
     for criterion in args.criteria:
@@ -424,7 +421,7 @@ def run(argv=None) -> int:
     common.finish(info)
     print(f"elapsed {elapsed:.0f} s")
     result.update({"skipped": skipped, "model": model_info, "heads": heads, "eval_tokens": int(test_ids.numel()),
-                   "references": refs,
+                   "references": refs, "references_cached": cached,
                    "lastword_references": accs, "lastword_items": bench.lastword.items,
                    "reference_rows": ref_rows, "score_s": score_s, "choices": choices, "rows": rows,
                    "targets": found, "layer_weight_bytes": layer_bytes, "elapsed_s": round(elapsed, 1)})  # fmt: skip

@@ -41,6 +41,12 @@ def _restore_torch_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _own_reference_cache(tmp_path, monkeypatch):
+    """Each test measures its unpruned references itself (never another run's cached ones)."""
+    monkeypatch.setenv("SINV_PRUNE_REFERENCE_CACHE", str(tmp_path / "references"))
+
+
 @pytest.fixture
 def common(monkeypatch):
     monkeypatch.setenv("TQDM_DISABLE", "1")  # the scripts set it by default; restore it after
@@ -235,6 +241,52 @@ def test_bench_speed_structural_cuts(tmp_path, capsys, common):
     for r in (mlp, depth):
         assert r["predicted_speedup"] > 1 and r["forward"]["speedup"] > 0
     assert "issue 12 target" in out and "n/a (needs sinv_prune.prune)" not in out
+
+
+def test_cached_json_reads_the_same_key_and_misses_a_changed_one(tmp_path, common):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"ppl": 10.0 + len(calls)}
+
+    key = {"model": "abc", "test": {"file": "test.txt", "tokens": 256}, "settings": {"seq_len": 64}}
+    first, read = common.cached_json("unpruned", key, compute, tmp_path)
+    assert read is None and first == {"ppl": 11.0}
+    again, stored = common.cached_json("unpruned", json.loads(json.dumps(key)), compute, tmp_path)
+    assert again == first and stored is not None and len(calls) == 1
+    changed, read = common.cached_json("unpruned", {**key, "settings": {"seq_len": 32}}, compute, tmp_path)
+    assert read is None and changed == {"ppl": 12.0}
+    stored.write_text("{not json")  # unreadable: measured again
+    assert common.cached_json("unpruned", key, compute, tmp_path) == ({"ppl": 13.0}, None)
+
+
+def test_bench_reference_is_read_back_until_model_data_or_settings_change(tmp_path, monkeypatch, common):
+    _need_wikitext(common)
+    import torch
+
+    recovery = _script("bench_recovery")
+    setup = sys.modules["_bench_setup"]
+    args = recovery.parse(["--quick", "--lastword", "0"])
+    bench = setup.setup_bench(args, "cpu")[0]
+    measured, cached = bench.reference(finetuned=True)
+    assert not cached and measured["train"]["steps"] == args.steps and measured["ppl"] > 1
+    unpruned, cached = bench.reference()
+    assert not cached and unpruned["ppl"] != measured["ppl"]
+    measure = setup.ppl
+    monkeypatch.setattr(setup, "ppl", lambda *a: pytest.fail("measured again instead of reading the cache"))
+    assert bench.reference(finetuned=True) == (measured, True) and bench.reference() == (unpruned, True)
+    monkeypatch.setattr(setup, "ppl", measure)
+    args.seq_len //= 2  # a changed setting
+    assert bench.reference()[1] is False
+    same = setup.Bench(bench.base, bench.tokenizer, bench.teacher, bench.test_ids[:-1], bench.calib, bench.ft_data,
+                       args, "cpu")  # fmt: skip
+    assert same.reference()[1] is False  # fewer test tokens
+    with torch.no_grad():
+        bench.base.get_output_embeddings().weight[0, 0] += 1.0
+    other = setup.Bench(bench.base, bench.tokenizer, bench.teacher, bench.test_ids, bench.calib, bench.ft_data,
+                        args, "cpu")  # fmt: skip
+    assert other.reference()[1] is False  # one weight changed: another model
 
 
 def _lastword_column(result: dict, out: str) -> None:

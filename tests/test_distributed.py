@@ -5,6 +5,10 @@ and scoring, pruning and evaluation run on the main process alone, so the heads 
 baseline perplexity and each arm's perplexity before fine-tuning are the same as in one process.
 Fine-tuning is data-parallel: each of the two processes sees half the batches, so the fine-tuned
 weights (and perplexities) differ from a one-process run and are only checked to exist.
+
+A second recipe (LLaMA layout) runs the later features the same way: MLP and mixed ``rounds``, a
+non-uniform allocation, ``evaluate.tasks`` on a local task and ``export.gguf``; task scores of the
+pruned models and GGUF sizes (same shapes) match the one-process run.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from test_pipeline import TINY, invoke, recipe_file
 
 from sinv_prune.pipeline import data as data_mod
@@ -136,3 +141,84 @@ def test_resume_under_torchrun_finishes_an_interrupted_finetune(runs):
     assert all(arm["finetuned"]["perplexity"] > 1 for arm in results["arms"])
     messages = [line.split(" ", 2)[2] for line in (out / "run.log").read_text().splitlines()]
     assert sum("resume=True, processes=2" in m for m in messages) == 1
+
+
+# -- MLP / mixed rounds, a non-uniform allocation, zero-shot tasks and GGUF export ----------------------
+
+LLAMA = {"architecture": "llama", "config": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                             "hidden_size": 32, "intermediate_size": 64}}  # fmt: skip
+MIXED_ARMS = [
+    {"criterion": "taylor", "unit": "mlp", "amount": 0.25, "mode": "uniform", "rounds": 2},
+    {"parts": [{"criterion": "magnitude", "amount": 2}, {"criterion": "magnitude", "unit": "mlp", "amount": 16}],
+     "rounds": 2},
+    {"criterion": "activation", "unit": "mlp", "options": {"metric": "magnitude"}, "amount": {"params": 0.1},
+     "allocation": "sensitivity"},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mixed_runs(tmp_path_factory):
+    """One recipe with every later stage's features, in one process and under torchrun (non-main ranks guarded)."""
+    pytest.importorskip("lm_eval", reason='lm-eval is not installed (pip install "sinv_prune[eval]")')
+    from tests.test_lmeval import mc_task
+
+    tmp = tmp_path_factory.mktemp("ddp_mixed")
+    start = validate_recipe({**TINY, "model": LLAMA})
+    corpus = pipeline.load_corpus(start)
+    tokenizer = data_mod.train_tokenizer(corpus["train"], kind="word", vocab_size=start.data.tokenizer.vocab_size)
+    model = build_model(start, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    model.save_pretrained(tmp / "start")
+    tokenizer.save_pretrained(tmp / "start")
+    words = sorted({w for line in corpus["test"]["text"] for w in line.split()})
+    mc_task(tmp / "mc", words=words, n=12)
+    data = {
+        **TINY,
+        "model": {"path": str(tmp / "start")},
+        "data": {**TINY["data"], "tokenizer": {"kind": "model"}},
+        "train": None,
+        "prune": {"arms": MIXED_ARMS},
+        "finetune": {"max_steps": 2, "batch_size": 4},
+        "evaluate": {"speed": False, "tasks": ["./mc"]},
+        "export": {"gguf": {"type": "f32", "vocab": False}},
+    }
+    recipe = tmp / "mixed.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    single = invoke(recipe, "--output", tmp / "one", "--quiet", "--threads", 1)
+    assert single.exit_code == 0, single.output
+    launched = torchrun(recipe, "--output", tmp / "two", "--threads", 1, "--quiet", cwd=tmp, guard=tmp / "two")
+    assert launched.returncode == 0, failure(launched)
+    one, two = (json.loads((tmp / run / "results.json").read_text()) for run in ("one", "two"))
+    return tmp, one, two
+
+
+def test_rounds_allocation_tasks_and_export_under_two_processes_match_one(mixed_runs):
+    tmp, one, two = mixed_runs
+    assert two["baseline"]["perplexity"] == pytest.approx(one["baseline"]["perplexity"], rel=1e-4)
+    assert two["baseline"]["tasks"]["tiny_mc"]["acc"] == one["baseline"]["tasks"]["tiny_mc"]["acc"]
+    mlp, mixed, allocated = two["arms"]
+    assert [len(arm["per_round"]) for arm in (mlp, mixed)] == [2, 2]
+    assert mixed["heads_removed"] == 2 and mixed["channels_removed"] == 16 and mlp["channels_removed"] == 32
+    kept = allocated["allocation"][0]["kept"]["mlp"]
+    assert allocated["allocation"][0]["strategy"] == "sensitivity" and kept["min"] < kept["max"]  # uneven widths
+    for a, b in zip(one["arms"], two["arms"], strict=True):
+        assert [b[k] for k in ("name", "heads_removed", "channels_removed")] == [
+            a[k] for k in ("name", "heads_removed", "channels_removed")]  # fmt: skip
+        assert b.get("removed") == a.get("removed")
+        assert b.get("per_round") == a.get("per_round")
+        assert [_untimed(x) for x in b.get("allocation") or []] == [_untimed(x) for x in a.get("allocation") or []]
+        assert b["pruned"]["perplexity"] == pytest.approx(a["pruned"]["perplexity"], rel=1e-4)
+        assert b["pruned"]["tasks"]["tiny_mc"]["acc"] == a["pruned"]["tasks"]["tiny_mc"]["acc"]
+        assert b["finetuned"]["tasks"]["tiny_mc"]["samples"] == 12  # fine-tuned by both processes
+    assert list(two["gguf"]) == ["baseline"] + [a["name"] for a in two["arms"]]
+    for name, row in two["gguf"].items():  # same shapes, so the same size; the weights were fine-tuned apart
+        theirs = one["gguf"][name]
+        assert (row["arch"], row["type"], row["size_bytes"]) == (theirs["arch"], theirs["type"], theirs["size_bytes"])
+        assert (tmp / "two" / row["path"]).stat().st_size == row["size_bytes"]
+    state = json.loads((tmp / "two" / "state.json").read_text())
+    assert state["finished"] == ["train", "score", "prune", "finetune", "evaluate", "export", "report"]
+    assert [p.relative_to(tmp / "two") for p in (tmp / "two").rglob("results.json")] == [Path("results.json")]
+    assert not list((tmp / "two").rglob(".*"))  # no temp file of a competing write
+
+
+def _untimed(found: dict) -> dict:
+    return {k: v for k, v in found.items() if k != "seconds"}

@@ -218,3 +218,23 @@ def test_missing_wikitext_and_bad_entries_are_one_line_errors(tmp_path, monkeypa
         resolve_tasks([str(task_dir / "tiny_mc.yaml")])
     with pytest.raises(TasksError, match="'tiny_mc' is asked for twice"):
         resolve_tasks([str(task_dir), str(task_dir)])
+
+
+def test_relative_data_files_are_read_from_the_yaml_directory(tmp_path, monkeypatch):
+    from sinv_prune.lmeval.harness import with_data_files_from
+
+    task_dir = mc_task(tmp_path / "tasks")
+    config = yaml.safe_load((task_dir / "tiny_mc.yaml").read_text())
+    (task_dir / "data").mkdir()
+    (task_dir / "tiny_mc.jsonl").rename(task_dir / "data" / "tiny_mc.jsonl")
+    config["dataset_kwargs"]["data_files"] = {"test": "data/tiny_mc.jsonl"}
+    (task_dir / "tiny_mc.yaml").write_text(yaml.safe_dump(config))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # no data/ here: read from the working directory, the file is missing
+    out = evaluate_tasks(tiny_model("gpt2"), word_tokenizer([" ".join(WORDS)]), resolve_tasks(["../tasks"]),
+                         batch_size=4)  # fmt: skip
+    assert out["tasks"]["tiny_mc"]["samples"] == 30
+    kept = {"dataset_kwargs": {"data_files": ["/abs/a.json", "hf://x/b.json", "c.json"]}}
+    assert with_data_files_from(kept, tmp_path)["dataset_kwargs"]["data_files"] == [
+        "/abs/a.json", "hf://x/b.json", str(tmp_path / "c.json")]  # fmt: skip

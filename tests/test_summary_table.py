@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from sinv_prune.cli import _print_summary
+import yaml
+from click.testing import CliRunner
+
+from sinv_prune.cli import _print_summary, main
 from sinv_prune.pipeline.report import summary_rows
 
 LONG = "sinv_early-40pct-q_per_group-with-a-long-suffix"
@@ -57,3 +61,80 @@ def test_task_means_sit_beside_perplexity_when_the_run_had_tasks(capsys):
     assert list(rows[0])[-1].startswith("forward speed-up")  # the speed column stays last
     _print_summary(results, Path("runs/x"))
     assert "tasks mean pruned" in capsys.readouterr().out
+
+
+# -- GGUF sizes (export.gguf) -------------------------------------------------------------------------
+
+GGUF_RECIPE = {
+    "name": "gguf-sizes",
+    "model": {
+        "architecture": "mistral",
+        "config": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
+                   "intermediate_size": 48},
+    },
+    "data": {"synthetic": {"seed": 0, "num_train": 60, "num_valid": 10, "num_test": 10},
+             "tokenizer": {"kind": "word"}, "seq_len": 32},
+    "train": {"max_steps": 2, "batch_size": 8},
+    "score": {"batches": 1, "batch_size": 4},
+    "prune": {"arms": [{"criterion": "magnitude", "amount": 4, "mode": "uniform"}]},
+    "finetune": {"max_steps": 1, "batch_size": 8},
+    "evaluate": {"speed": False},
+    "export": {"gguf": {"type": "q8_0", "vocab": False, "verify": False}},
+}  # fmt: skip
+
+
+def test_gguf_column_holds_type_and_size_only_when_the_run_exported():
+    from sinv_prune.pipeline.report import GGUF_COLUMN
+
+    results = _results(gqa=False)
+    assert GGUF_COLUMN not in summary_rows(results)[0]
+    results["gguf"] = {"baseline": {"type": "f16", "size_bytes": 3 * 2**20 // 2},
+                       LONG: {"type": "f16", "size_bytes": 1536}}  # fmt: skip
+    rows = summary_rows(results)
+    assert [r[GGUF_COLUMN] for r in rows] == ["f16, 1.5 MiB", "f16, 1.5 KiB", None]  # the last arm has no file
+    assert list(rows[0])[-1].startswith("forward speed-up")
+
+
+def _run_cli(recipe: dict, tmp_path: Path):
+    path = tmp_path / f"{recipe['name']}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / recipe["name"]
+    result = CliRunner().invoke(main, ["run", str(path), "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return result.output, out
+
+
+def test_recipe_with_export_shows_gguf_type_and_size_in_summary_report_and_card(tmp_path):
+    from sinv_prune.hub.push import build_card
+    from sinv_prune.pipeline.report import file_size
+
+    output, out = _run_cli(GGUF_RECIPE, tmp_path)
+    results = json.loads((out / "results.json").read_text())
+    arm = results["arms"][0]
+    sizes = {name: (out / results["gguf"][name]["path"]).stat().st_size for name in ("baseline", arm["name"])}
+    cells = {name: f"q8_0, {file_size(size)}" for name, size in sizes.items()}
+    table = output[output.index("sinv-prune:") :]
+    header, _, *rows = table.splitlines()[1:5]
+    assert "gguf" in header.split()
+    assert cells["baseline"] in rows[0] and cells[arm["name"]] in rows[1]
+    report = (out / "report.md").read_text()
+    assert "| gguf |" in report and f"| {cells[arm['name']]} |" in report
+    card = build_card(out / arm["model_dir"], "me/x", results=results, arm=arm["name"], stage="finetuned")
+    assert "GGUF (llama.cpp) |" in card
+    base_line = next(line for line in card.splitlines() if line.startswith("| base model |"))
+    tuned_line = next(line for line in card.splitlines() if line.startswith("| pruned + fine-tuned"))
+    pruned_line = next(line for line in card.splitlines() if line.startswith("| pruned |"))
+    assert base_line.endswith(f"| {cells['baseline']} |") and tuned_line.endswith(f"| {cells[arm['name']]} |")
+    assert pruned_line.endswith("| - |")  # export.gguf wrote the fine-tuned model, not the pruned one
+
+
+def test_recipe_without_export_has_no_gguf_column(tmp_path):
+    from sinv_prune.hub.push import build_card
+
+    recipe = {k: v for k, v in GGUF_RECIPE.items() if k != "export"} | {"name": "no-export", "finetune": None}
+    output, out = _run_cli(recipe, tmp_path)
+    results = json.loads((out / "results.json").read_text())
+    assert "gguf" not in output[output.index("sinv-prune:") :].splitlines()[1].split()
+    assert "gguf" not in (out / "report.md").read_text().lower()
+    arm = results["arms"][0]
+    assert "GGUF" not in build_card(out / arm["model_dir"], "me/x", results=results, arm=arm["name"])

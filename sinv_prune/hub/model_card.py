@@ -18,7 +18,7 @@ import yaml
 from huggingface_hub import ModelCardData
 from transformers.models.auto import modeling_auto
 
-from sinv_prune.pipeline.report import speed_cell
+from sinv_prune.pipeline.report import gguf_cell, speed_cell
 from sinv_prune.pipeline.report_tasks import pins_text, task_cell, task_header, task_names, task_pins
 from sinv_prune.surgery.checkpoint import _AUTO_MAPPINGS, PREFIX
 from sinv_prune.surgery.record import get_record
@@ -193,16 +193,23 @@ def _evaluation(results, row, stage, recipe, baseline, after) -> list[str]:
     ppl = "MLM perplexity" if mlm else "perplexity"
     names = task_names(results)
     tasks = "".join(f" {task_header(results, n)} |" for n in names)
-    lines += [f"| model | parameters | {ppl} |{tasks}", "| --- | ---: | ---: |" + " ---: |" * len(names)]
-    models = [("base model", baseline)] + [
-        (label + (" **(this checkpoint)**" if key == stage else ""), row[key])
+    gguf = results.get("gguf") or {}
+    lines += [f"| model | parameters | {ppl} |{tasks}" + (" GGUF (llama.cpp) |" if gguf else ""),
+              "| --- | ---: | ---: |" + " ---: |" * (len(names) + bool(gguf))]  # fmt: skip
+    final = "finetuned" if row.get("finetuned") else "pruned"  # the arm's model export.gguf wrote
+    models = [("base model", baseline, gguf.get("baseline"))] + [
+        (label + (" **(this checkpoint)**" if key == stage else ""), row[key], gguf.get(row["name"]) if key == final
+         else None)
         for key, label in (("pruned", "pruned"), ("finetuned", "pruned + fine-tuned"))
         if row.get(key)
-    ]
-    for label, ev in models:
-        cells = "".join(f" {task_cell(ev, n)} |" for n in names)
+    ]  # fmt: skip
+    for label, ev, file in models:
+        cells = "".join(f" {task_cell(ev, n)} |" for n in names) + (f" {gguf_cell(file) or '-'} |" if gguf else "")
         lines.append(f"| {label} | {_num(ev.get('params'))} | {_num(ev.get('perplexity'), 3)} |{cells}")
     lines += ["", _data_sentence(recipe, run, after.get("eval") or baseline.get("eval") or {}, mlm), ""]
+    if gguf:
+        lines += ["GGUF (llama.cpp): type and size of the file the run's `export.gguf` wrote of each model "
+                  "(in the run directory; not part of this repository).", ""]  # fmt: skip
     pins = task_pins(results) if names else None
     if pins:
         lines += ["Zero-shot tasks through lm-evaluation-harness (acc_norm where a task reports it, else acc, "

@@ -9,7 +9,8 @@ A task entry (recipe ``evaluate.tasks``, ``sinv-prune eval --tasks``) is one of
 * ``wikitext_lastword``: the offline task shipped here (:mod:`sinv_prune.lmeval.lastword`),
   built from the local WikiText-2 test text into a directory the caller owns;
 * a directory of lm-eval task YAML files (local data: ``dataset_path: json`` with
-  ``dataset_kwargs: {data_files: ...}``): every task defined in it;
+  ``dataset_kwargs: {data_files: ...}``, relative paths read from the YAML's directory): every
+  task defined in it;
 * any other name: a task, group or tag of lm-eval's own registry (their data usually come from
   the Hub, which must then be reachable).
 
@@ -34,6 +35,8 @@ from typing import Any
 from sinv_prune.lmeval.dependency import TasksError, require_lm_eval
 from sinv_prune.log_level import log_level
 
+logger = logging.getLogger("sinv_prune")
+
 #: lm-eval's batch size on the CPU when ``auto`` is asked: its detection times batches of up to 64
 #: of the longest request five times, and finds no out-of-memory error to stop at on the CPU.
 CPU_AUTO_BATCH_SIZE = 8
@@ -56,7 +59,52 @@ class TaskSet:
         require_lm_eval()
         from lm_eval.tasks import TaskManager
 
-        return TaskManager(include_path=self.include or None, include_defaults=self.defaults)
+        manager = TaskManager(include_path=self.include or None, include_defaults=self.defaults)
+        return _data_files_from_yaml_dir(manager)
+
+
+def _data_files_from_yaml_dir(manager):
+    """Make each task YAML's relative ``dataset_kwargs.data_files`` resolve from the YAML's directory.
+
+    lm-eval hands them to ``datasets.load_dataset`` as written, which reads them from the working
+    directory: a task directory would work only when run from where its author stood. Every task and
+    group config passes through the manager's factory (lm-eval 0.4.13), where the paths are made
+    absolute from the directory of the YAML that defines the task.
+    """
+    factory = getattr(manager, "_factory", None)
+    load = getattr(factory, "_load_full_config", None)
+    if load is None:
+        logger.warning("this lm-eval has no TaskFactory._load_full_config: task YAMLs' relative data_files "
+                       "are read from the working directory")  # fmt: skip
+        return manager
+
+    def load_full_config(entry, overrides=None):
+        config = load(entry, overrides)
+        path = getattr(entry, "yaml_path", None)
+        return with_data_files_from(config, Path(path).parent) if path else config
+
+    factory._load_full_config = load_full_config
+    return manager
+
+
+def with_data_files_from(config: dict, base_dir: Path) -> dict:
+    """``config`` with its relative ``dataset_kwargs.data_files`` (str, list or split -> either) under ``base_dir``."""
+    kwargs = config.get("dataset_kwargs")
+    if not isinstance(kwargs, dict) or not kwargs.get("data_files"):
+        return config
+
+    def absolute(file):
+        if not isinstance(file, str) or "://" in file:  # URLs (hf://, https://) stay as they are
+            return file
+        path = Path(file).expanduser()
+        return str(path if path.is_absolute() else base_dir / path)
+
+    def each(files):
+        return [absolute(f) for f in files] if isinstance(files, (list, tuple)) else absolute(files)
+
+    files = kwargs["data_files"]
+    files = {split: each(f) for split, f in files.items()} if isinstance(files, dict) else each(files)
+    return {**config, "dataset_kwargs": {**kwargs, "data_files": files}}
 
 
 def _entry_dir(entry: str, base_dir: Path) -> Path | None:

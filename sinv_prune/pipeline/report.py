@@ -36,7 +36,8 @@ def summary_rows(results: dict) -> list[dict]:
 
     The ``layout`` column (how a GQA layer loses heads) is there only when the model has GQA
     (``results["run"]["gqa"]``; results written before it was recorded keep the column) and some
-    arm removes heads: elsewhere every layout is the same cut.
+    arm removes heads: elsewhere every layout is the same cut. The ``gguf`` column (type and size of
+    each model's llama.cpp file) is there only when the run exported (``results["gguf"]``).
     """
     from sinv_prune.pipeline.report_tasks import mean_accuracy, task_names
 
@@ -57,11 +58,33 @@ def summary_rows(results: dict) -> list[dict]:
             row[TASKS_PRUNED] = _accuracy(mean_accuracy(pruned, names))
             row[TASKS_TUNED] = _accuracy(mean_accuracy(tuned, names)) if tuned else None
             row[SPEED_COLUMN] = speed
+    gguf = results.get("gguf")
+    if gguf:  # export.gguf ran: each model's file (the arm's final model), before the speed column
+        for row in rows:
+            speed = row.pop(SPEED_COLUMN)
+            row[GGUF_COLUMN] = gguf_cell(gguf.get(row["arm"]))
+            row[SPEED_COLUMN] = speed
     return rows
 
 
 #: Summary columns of a run with zero-shot tasks: the mean of the task columns (acc_norm or acc).
 TASKS_PRUNED, TASKS_TUNED = "tasks mean pruned", "tasks mean fine-tuned"
+
+
+#: Summary column of a run with ``export.gguf``: each model's GGUF type and file size.
+GGUF_COLUMN = "gguf"
+
+
+def gguf_cell(entry: dict | None) -> str | None:
+    """``"q8_0, 12.3 MiB"``: type and size of one ``results["gguf"]`` entry (None: no file)."""
+    return f"{entry['type']}, {file_size(entry['size_bytes'])}" if entry else None
+
+
+def file_size(size_bytes: int) -> str:
+    """``"12.3 MiB"``, or ``"84.5 KiB"`` below one MiB (tiny models would all read 0.1 MiB)."""
+    if size_bytes < 2**20:
+        return f"{size_bytes / 2**10:,.1f} KiB"
+    return f"{size_bytes / 2**20:,.1f} MiB"
 
 
 def _accuracy(value: float | None) -> str | None:
