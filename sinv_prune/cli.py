@@ -609,7 +609,7 @@ def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens,
     "type_",
     default="f16",
     show_default=True,
-    type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0"]),
+    type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"]),
     help="GGUF storage type of the weights.",
 )
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")

@@ -377,6 +377,25 @@ def test_smollm2_uniform_cut_passes_the_f32_round_trip_a_perturbed_file_does_not
     assert not (tmp_path / "off.gguf").exists()
 
 
+@pytest.mark.parametrize("type_", ["q4_k_m", "q5_k_m", "q6_k"])
+def test_k_quants_come_from_llama_cpps_quantiser_for_llama_and_deci(tmp_path, type_):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from sinv_prune.deploy.gguf_quantize import K_QUANTS
+
+    shape = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 512}
+    cuts = {"llama": {"heads": {i: [0, 4] for i in range(3)}}, "deci": {"heads": {0: [0, 1, 2, 3]}, "mlp": {2: list(
+        range(256))}}}  # fmt: skip
+    for arch, plan in cuts.items():
+        out = export(pruned("llama", plan, **shape), tmp_path, name=f"{arch}.gguf", type=type_, verify=True)
+        assert out.arch == arch and out.type == type_ and out.verify.tokens == 24, out
+        assert not out.verify.exact_type and out.verify.top1_agreement >= 0.5, out.verify
+        meta, kinds = fields(out.path), {t.tensor_type.name for t in gguf.GGUFReader(out.path).tensors}
+        assert meta["general.file_type"] == getattr(llama_cpp, K_QUANTS[type_])
+        assert f"Q{type_[1]}_K" in kinds and "F32" in kinds, kinds  # rows of 256: K-quant blocks; norms f32
+        assert out.size_bytes == out.path.stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deci.gguf", "llama.gguf"]  # no float file left
+
+
 @pytest.mark.parametrize("type_", ["f16", "bf16", "q4_0"])
 def test_every_type_loads_in_llama_cpp(tmp_path, type_):
     pytest.importorskip("llama_cpp")

@@ -29,6 +29,7 @@ from torch import nn
 from sinv_prune.deploy import gguf_verify
 from sinv_prune.deploy.errors import ExportRefused, RoundTripFailed
 from sinv_prune.deploy.gguf_layout import GGUFLayout, check_exportable, plan_layout, rope_parameters
+from sinv_prune.deploy.gguf_quantize import K_QUANTS, quantize, require_quantizer
 from sinv_prune.deploy.gguf_tensors import (
     FILE_TYPES,
     QTYPES,
@@ -46,6 +47,8 @@ from sinv_prune.version import __version__
 SOURCE_ATTR = "sinv_gguf_source"
 #: Greedy tokens generated on both sides by the check, shown side by side in the summary and report.
 CONTINUE_TOKENS = 16
+#: Every ``type=`` the export writes: its own encodings, then llama.cpp's K-quants.
+TYPES = (*QTYPES, *K_QUANTS)
 NO_TOKENIZER = (
     "no tokenizer for the GGUF file: pass the model's tokenizer (the CLI's --tokenizer PATH), a GGUF file to "
     "copy it from (tokenizer_gguf=), or vocab=False (--no-vocab) for a vocabulary-free file"
@@ -98,7 +101,9 @@ def export_gguf(
 ) -> GGUFExport:
     """Write ``model`` (pruned or not) as a GGUF file llama.cpp runs, any per-layer shape it can express.
 
-    ``type``: ``f32``, ``f16``, ``bf16``, ``q8_0`` or ``q4_0`` (1-D tensors stay float32).
+    ``type``: ``f32``, ``f16``, ``bf16``, ``q8_0`` or ``q4_0`` (1-D tensors stay float32), or a
+    K-quant made by llama.cpp's quantiser from a float32 file written first: ``q4_k_m``, ``q5_k_m``,
+    ``q6_k`` (needs llama-cpp-python).
     ``tokenizer``: a transformers tokenizer; its keys are copied from ``tokenizer_gguf`` instead
     (default: the GGUF file the model was loaded from, if any). With neither, the export is refused
     unless ``vocab=False`` asks for a vocabulary-free file (token ids in, logits out), which chat
@@ -114,8 +119,9 @@ def export_gguf(
         model = sinv_prune.from_pretrained("runs/x/arms/taylor/finetuned")
         print(sinv_prune.export_gguf(model, tokenizer, "model.gguf", type="q8_0"))
     """
-    if type not in QTYPES:
-        raise ExportRefused(f"type must be one of {', '.join(QTYPES)}, got {type!r}")
+    if type not in TYPES:
+        raise ExportRefused(f"type must be one of {', '.join(TYPES)}, got {type!r}")
+    require_quantizer(type)
     path = Path(path)
     if path.exists() and not overwrite:
         raise ExportRefused(f"{path} exists; pass overwrite=True to replace it")
@@ -148,18 +154,23 @@ def export_gguf(
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    float_file = f"{tmp}.f32" if type in K_QUANTS else tmp
     try:
-        writer = gguf.GGUFWriter(tmp, layout.arch)
-        _add_general(writer, model, name, type, parameters)
+        writer = gguf.GGUFWriter(float_file, layout.arch)
+        stored = "f32" if type in K_QUANTS else type
+        _add_general(writer, model, name, stored, parameters)
         _add_hparams(writer, model.config, layout, n_vocab)
         vocab_note = add_vocab(writer, tokenizer, n_vocab, source)
         for t in tensors + _extra_tensors(model.config, layout):
-            data, qtype = encode(t, QTYPES[type])
+            data, qtype = encode(t, QTYPES[stored])
             writer.add_tensor(t.name, data, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=True)
         writer.close()
+        if type in K_QUANTS:
+            quantize(float_file, tmp, type)
+            Path(float_file).unlink()
         result = GGUFExport(path, layout.arch, type, Path(tmp).stat().st_size, parameters, len(layout.layers),
                             vocab_note, list(layout.notes))  # fmt: skip
         if verify:
@@ -172,6 +183,7 @@ def export_gguf(
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        Path(float_file).unlink(missing_ok=True)
         raise
     return result
 

@@ -528,7 +528,7 @@ def _export_row(recipe: Recipe, probe: Probe) -> Row:
 
     from sinv_prune.deploy.gguf_tensors import QTYPES
 
-    qtype = QTYPES[recipe.export.gguf.type]
+    qtype = QTYPES.get(recipe.export.gguf.type, QTYPES["q8_0"])  # K-quants: llama.cpp's quantiser, timed as Q8_0
     sample = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
     start = time.perf_counter()
     gguf.quants.quantize(sample, qtype)

@@ -45,6 +45,7 @@ def check_export(recipe: Recipe, adapter: HeadAdapter) -> None:
     if spec is None:
         return
     from sinv_prune.deploy.gguf_layout import check_exportable
+    from sinv_prune.deploy.gguf_quantize import require_quantizer
 
     if spec.vocab and recipe.data.tokenizer.kind != "model":
         raise RecipeError(
@@ -53,6 +54,7 @@ def check_export(recipe: Recipe, adapter: HeadAdapter) -> None:
         )
     try:
         check_exportable(adapter.model, verify=spec.verify)
+        require_quantizer(spec.type)
     except (ValueError, ImportError) as err:
         raise RecipeError(f"export.gguf: {first_line(err)}") from None
 

@@ -682,7 +682,7 @@ class PushSpec(Strict):
 class GGUFExportSpec(Strict):
     """``export: {gguf: {type: q8_0}}``: every arm and the baseline as ``model.gguf`` for llama.cpp."""
 
-    type: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] = "q8_0"
+    type: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"] = "q8_0"
     verify: bool | None = Field(
         None, description="llama.cpp round-trip check; default: when llama-cpp-python is installed"
     )
