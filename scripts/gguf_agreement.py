@@ -31,7 +31,7 @@ from sinv_prune.deploy import gguf_verify
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--types", default="f32,f16,bf16,q8_0,q4_0", help="GGUF types, comma-separated")
+    p.add_argument("--types", default="f32,f16,bf16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0", help="GGUF types, comma-separated")
     p.add_argument("--tokens", type=int, default=256, help="WikiText-2 test tokens per evaluation")
     p.add_argument("--f16-cache", action="store_true", help="also float32 files with llama.cpp's f16 KV cache")
     p.add_argument("--perturb", action="store_true", help="also a float32 file with one matrix off by 1e-4")
@@ -50,12 +50,13 @@ def llama_cpp_logits(path: Path, ids: list[int], f32_cache: bool) -> np.ndarray:
 
 
 def row(model_name, type_, cache, inputs, reference_model, path) -> list[dict]:
-    out = []
+    out, mib = [], path.stat().st_size / 2**20
     for input_name, ids in inputs.items():
         res = gguf_verify.compare(gguf_verify.reference_logits(reference_model, ids),
                                   llama_cpp_logits(path, ids, cache == "f32"), exact_type=True)  # fmt: skip
-        out.append({"model": model_name, "type": type_, "kv cache": cache, "input": input_name, "tokens": res.tokens,
-                    "median": res.median_rel_diff, "worst": res.max_rel_diff, "top1": res.top1_agreement})  # fmt: skip
+        out.append({"model": model_name, "type": type_, "MiB": mib, "kv cache": cache, "input": input_name,
+                    "tokens": res.tokens, "median": res.median_rel_diff, "worst": res.max_rel_diff,
+                    "top1": res.top1_agreement})  # fmt: skip
         print(f"{model_name} {type_} kv={cache} {input_name}: median {res.median_rel_diff:.2e} worst "
               f"{res.max_rel_diff:.2e} top-1 {res.top1_agreement:.1%}", flush=True)  # fmt: skip
     return out
@@ -101,9 +102,10 @@ def main(argv=None) -> int:
             sinv_prune.export_gguf(off, tokenizer, path, type="f32", verify=False)
             rows += row("unpruned, one matrix off by 1e-4", "f32", "f32", inputs, model, path)
     print()
-    print(table(["model", "type", "KV cache", "input", "tokens", "median rel. diff", "worst rel. diff", "top-1"],
-                [[r["model"], r["type"], r["kv cache"], r["input"], r["tokens"], f"{r['median']:.1e}",
-                  f"{r['worst']:.1e}", f"{r['top1']:.1%}"] for r in rows], align="lllllrrr"))  # fmt: skip
+    headers = ["model", "type", "MiB", "KV cache", "input", "tokens", "median rel. diff", "worst rel. diff", "top-1"]
+    print(table(headers, [[r["model"], r["type"], f"{r['MiB']:.1f}", r["kv cache"], r["input"], r["tokens"],
+                           f"{r['median']:.1e}", f"{r['worst']:.1e}", f"{r['top1']:.1%}"] for r in rows],
+                align="llrllrrrr"))  # fmt: skip
     rule = gguf_verify.tolerance("llama")
     print(f"\nfloat32 rule (llama, qwen2, qwen3, deci): median <= {rule[0]:g}, worst <= {rule[1]:g}, same arg-max")
     result["rows"] = rows

@@ -1,9 +1,10 @@
 """``export_gguf``: a (pruned) transformers model as one GGUF file that llama.cpp runs exactly.
 
 What runs, in order: the weights are read from ``model.state_dict()`` and named for llama.cpp
-(:mod:`~sinv_prune.deploy.gguf_tensors`); the architecture is chosen from the per-layer shapes
-and biases, or the export is refused with one line naming what llama.cpp lacks
-(:mod:`~sinv_prune.deploy.gguf_layout`); metadata, tokenizer
+(:mod:`~sinv_prune.deploy.gguf_tensors`) after the cheap refusals (family, settings); the
+architecture is chosen from the per-layer shapes and biases, or the export is refused with one
+line naming what llama.cpp lacks (:mod:`~sinv_prune.deploy.gguf_layout`, each architecture's rules
+in :mod:`sinv_prune.deploy.archs`); metadata, tokenizer
 (:mod:`~sinv_prune.deploy.gguf_vocab`) and tensors are written to a temporary file next to
 ``path``, which is renamed into place only when complete; then, by default when llama-cpp-python
 is installed, the file is loaded in llama.cpp and its logits compared with the model's
@@ -15,24 +16,23 @@ quantized copy being written).
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
-import numpy as np
 import torch
 from torch import nn
 
 from sinv_prune.deploy import gguf_verify
 from sinv_prune.deploy.errors import ExportRefused, RoundTripFailed
-from sinv_prune.deploy.gguf_layout import GGUFLayout, check_exportable, plan_layout, rope_parameters
+from sinv_prune.deploy.gguf_layout import check_exportable, plan_layout
 from sinv_prune.deploy.gguf_quantize import K_QUANTS, quantize, require_quantizer
 from sinv_prune.deploy.gguf_tensors import (
     FILE_TYPES,
     QTYPES,
+    Tensor,
     collect_tensors,
     drop_zero_biases,
     encode,
@@ -137,10 +137,9 @@ def export_gguf(
     elif tokenizer is None and source is None:
         raise ExportRefused(NO_TOKENIZER)
 
-    check_exportable(model)  # the cheap refusals, before the float32 copy of the weights
-    family_arch = {"mistral": "llama"}.get(model.config.model_type, model.config.model_type)
-    tensors = collect_tensors(model, family_arch) if family_arch in ("llama", "qwen2", "qwen3", "gpt2") else None
-    layout = plan_layout(model, nonzero_biases(tensors or []))
+    native = check_exportable(model)  # the cheap refusals, before the float32 copy of the weights
+    tensors = collect_tensors(model, native)
+    layout = plan_layout(model, nonzero_biases(tensors))
     if layout.arch != "gpt2":  # gpt2's loader needs every bias; the others take them where present
         tensors = drop_zero_biases(tensors)
     if layout.arch == "deci":  # deci loads no attention norm where a layer has no heads (its output is unused)
@@ -159,9 +158,10 @@ def export_gguf(
         writer = gguf.GGUFWriter(float_file, layout.arch)
         stored = "f32" if type in K_QUANTS else type
         _add_general(writer, model, name, stored, parameters)
-        _add_hparams(writer, model.config, layout, n_vocab)
+        layout.writer.add_hparams(writer, model.config, layout, n_vocab)
         vocab_note = add_vocab(writer, tokenizer, n_vocab, source)
-        for t in tensors + _extra_tensors(model.config, layout):
+        extra = [Tensor(n, d, None) for n, d in layout.writer.extra_tensors(model.config, layout.head_dim)]
+        for t in tensors + extra:
             data, qtype = encode(t, QTYPES[stored])
             writer.add_tensor(t.name, data, raw_dtype=qtype)
         writer.write_header_to_file()
@@ -210,64 +210,3 @@ def _add_general(writer: gguf.GGUFWriter, model: nn.Module, name: str | None, ty
     writer.add_uint64("sinv_prune.parameter_count", parameters)
     if record is not None:
         writer.add_string("sinv_prune.record", json.dumps(record.to_json(), sort_keys=True, allow_nan=False))
-
-
-def _add_hparams(writer: gguf.GGUFWriter, config, layout: GGUFLayout, n_vocab: int) -> None:
-    """The architecture keys llama.cpp reads; per-layer arrays under ``deci``."""
-    per_layer = not layout.uniform
-
-    def value(attr: str):
-        values = [getattr(s, attr) for s in layout.layers]
-        return values if per_layer else values[0]
-
-    writer.add_block_count(len(layout.layers))
-    writer.add_vocab_size(n_vocab)
-    writer.add_feed_forward_length(value("ffn"))
-    writer.add_head_count(value("heads"))
-    if layout.family == "gpt2":
-        writer.add_context_length(config.n_positions)
-        writer.add_embedding_length(config.n_embd)
-        writer.add_layer_norm_eps(config.layer_norm_epsilon)
-        return
-    writer.add_head_count_kv(value("kv_heads"))
-    context = config.max_position_embeddings
-    window = getattr(config, "sliding_window", None)
-    if layout.family == "mistral" and window and window < context:
-        context = window  # llama.cpp's llama has no sliding window: within it, both compute the same
-        layout.notes.append(f"context length {window}: Mistral's sliding window, which llama.cpp's llama lacks")
-    writer.add_context_length(context)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(layout.head_dim)
-    writer.add_value_length(layout.head_dim)
-    writer.add_rope_dimension_count(layout.head_dim)
-    rope = rope_parameters(config)
-    writer.add_rope_freq_base(float(rope["rope_theta"]))
-    if rope.get("rope_type") == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(rope["factor"]))
-
-
-def _extra_tensors(config, layout: GGUFLayout) -> list:
-    """``rope_freqs`` for Llama-3 RoPE scaling, computed as llama.cpp's converter does."""
-    from sinv_prune.deploy.gguf_tensors import Tensor
-
-    rope = rope_parameters(config) if layout.family != "gpt2" else {}
-    if rope.get("rope_type") != "llama3":
-        return []
-    dim, base = layout.head_dim, rope["rope_theta"]
-    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    old = rope.get("original_max_position_embeddings", 8192)
-    low_wavelen, high_wavelen = old / low, old / high
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return [Tensor("rope_freqs.weight", np.array(factors, dtype=np.float32), None)]

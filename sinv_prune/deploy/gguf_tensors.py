@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sinv_prune.deploy.archs import GGUFArch
 from sinv_prune.deploy.errors import ExportRefused
 
 #: Storage type per ``type=`` choice; 1-D tensors (norms, biases) stay float32 in every file.
@@ -35,8 +36,6 @@ FILE_TYPES = {
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
 }
-_GPT2_SKIP = (".attn.bias", ".attn.masked_bias")
-_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 
 
 @dataclass
@@ -54,27 +53,23 @@ class Tensor:
         return parts[2] if parts[0] == "blk" else parts[0]
 
 
-def collect_tensors(model: nn.Module, arch: str) -> list[Tensor]:
+def collect_tensors(model: nn.Module, arch: GGUFArch) -> list[Tensor]:
     """Every non-empty weight of ``model`` under its GGUF name (as llama.cpp's ``arch`` names it), float32."""
     config = model.config
     n_layers = config.num_hidden_layers if hasattr(config, "num_hidden_layers") else config.n_layer
-    name_map = gguf.get_tensor_name_map(_MODEL_ARCH[arch], n_layers)
+    name_map = gguf.get_tensor_name_map(arch.model_arch, n_layers)
     state = model.state_dict()
     tied = _tied(model)
     out = []
     for key, value in state.items():
-        if config.model_type == "gpt2" and key.endswith(_GPT2_SKIP):
+        if (tied and key == "lm_head.weight") or value.numel() == 0:
             continue
-        if tied and key == "lm_head.weight":
-            continue
-        if value.numel() == 0:
+        data = arch.tensor_data(key, value.detach().to("cpu", torch.float32))
+        if data is None:
             continue
         name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
-            raise ExportRefused(f"cannot export: tensor {key!r} has no place in llama.cpp's {arch}")
-        data = value.detach().to("cpu", torch.float32)
-        if config.model_type == "gpt2" and key.endswith(_CONV1D):
-            data = data.t()
+            raise ExportRefused(f"cannot export: tensor {key!r} has no place in llama.cpp's {arch.name}")
         layer = int(name.split(".")[1]) if name.startswith("blk.") else None
         out.append(Tensor(name, data.contiguous().numpy(), layer))
     return out
@@ -83,15 +78,6 @@ def collect_tensors(model: nn.Module, arch: str) -> list[Tensor]:
 def _tied(model: nn.Module) -> bool:
     head, embed = getattr(model, "lm_head", None), model.get_input_embeddings()
     return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
-
-
-_MODEL_ARCH = {
-    "llama": gguf.MODEL_ARCH.LLAMA,
-    "deci": gguf.MODEL_ARCH.DECI,
-    "qwen2": gguf.MODEL_ARCH.QWEN2,
-    "qwen3": gguf.MODEL_ARCH.QWEN3,
-    "gpt2": gguf.MODEL_ARCH.GPT2,
-}
 
 
 #: Tensor kinds whose bias is optional in llama.cpp's LLaMA-family loaders (norm biases exist only in GPT-2).

@@ -5,7 +5,7 @@ file is loaded with ``logits_all=True`` and a **float32 KV cache** (llama.cpp's 
 alone moves SmolLM2-135M's logits by ~1e-3, a hundred times what float32 kernels differ by), the
 tokens are evaluated in one batch, and every position's next-token logits are compared with the
 model's own forward pass, relative to the largest logit at that position. A float32 file of a
-float32 model must agree within its architecture's :data:`F32_TOLERANCE` at the median and the worst
+float32 model must agree within its architecture's :func:`tolerance` at the median and the worst
 position and give the same arg-max wherever the reference's top two logits are further apart than
 that: llama.cpp's float32 kernels sum in another order, which measured a few 1e-6 on SmolLM2
 unpruned and cut (``scripts/gguf_agreement.py``, docs/deploy.md), while a single weight matrix
@@ -26,14 +26,6 @@ from torch import nn
 
 PIP_HINT = "pip install llama-cpp-python (or sinv_prune[deploy]); it builds llama.cpp from source"
 DEFAULT_PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
-#: Float32 files, per llama.cpp architecture: (median, worst) position's logit difference, relative to
-#: the position's largest logit. Measured with ``scripts/gguf_agreement.py`` and the round-trip tests
-#: (docs/deploy.md): llama / qwen2 / qwen3 / deci files of SmolLM2 unpruned and cut differ by a median
-#: of 2-9e-6, at worst 2e-5 on text and 1.1e-4 on random token ids (tiny random models 5e-7); one weight
-#: matrix perturbed by 1e-4 of its size moves the median by 2-5e-5 where it matters to the output (some
-#: matrices of tiny random models move it by less than the noise). gpt2 files differ by ~1.7e-5
-#: (llama.cpp's GELU reads an f16 table).
-F32_TOLERANCE = {"default": (1.5e-5, 2e-4), "gpt2": (5e-5, 4e-4)}
 #: ggml's type id for float32, as llama.cpp's ``type_k`` / ``type_v`` take it.
 GGML_TYPE_F32 = 0
 
@@ -161,8 +153,18 @@ def reference_logits(model: nn.Module, ids: list[int]) -> np.ndarray:
 
 
 def tolerance(arch: str) -> tuple[float, float]:
-    """The float32 rule for llama.cpp's ``arch``: (median, worst) relative logit difference allowed."""
-    return F32_TOLERANCE.get(arch, F32_TOLERANCE["default"])
+    """The float32 rule for llama.cpp's ``arch``: (median, worst) relative logit difference allowed.
+
+    Measured with ``scripts/gguf_agreement.py`` and the round-trip tests (docs/deploy.md): llama /
+    qwen2 / qwen3 / deci files of SmolLM2 unpruned and cut differ by a median of 2-9e-6, at worst
+    2e-5 on text and 1.1e-4 on random token ids (tiny random models 5e-7); one weight matrix
+    perturbed by 1e-4 of its size moves the median by 2-5e-5 where it matters to the output (some
+    matrices of tiny random models move it by less than the noise). gpt2 files differ by ~1.7e-5
+    (llama.cpp's GELU reads an f16 table).
+    """
+    from sinv_prune.deploy.archs import get_arch
+
+    return get_arch(arch).f32_tolerance
 
 
 def compare(
@@ -201,13 +203,13 @@ def verify_gguf(
     ids: list[int],
     *,
     exact_type: bool,
-    arch: str = "default",
+    arch: str = "llama",
     continue_tokens: int = 0,
     tokenizer=None,
 ) -> VerifyResult:
     """Load ``path`` in llama.cpp (float32 KV cache), evaluate ``ids`` and compare every position with ``model``.
 
-    ``arch``: the file's llama.cpp architecture, which picks the float32 rule (:data:`F32_TOLERANCE`).
+    ``arch``: the file's llama.cpp architecture, which picks the float32 rule (:func:`tolerance`).
 
     ``continue_tokens > 0`` also continues ``ids`` greedily on both sides (decoded with ``tokenizer``).
     """

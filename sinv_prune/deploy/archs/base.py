@@ -1,0 +1,80 @@
+"""What one llama.cpp architecture means to the exporter: what it loads, what it cannot express, its keys.
+
+An architecture class answers three questions (read from llama.cpp's loaders, ``src/models/*.cpp``
+and ``src/llama-model.cpp`` as vendored in llama-cpp-python 0.3.36): which model settings it cannot
+reproduce at all (:meth:`GGUFArch.check_config`, cheap: before any weight is copied), whether it
+can express a model's per-layer shapes and biases (:meth:`GGUFArch.refusal`), and which keys it
+reads (:meth:`GGUFArch.add_hparams`). The LLaMA-family architectures share one base.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One layer as llama.cpp sees it."""
+
+    heads: int
+    kv_heads: int
+    ffn: int
+
+
+class GGUFArch:
+    """One llama.cpp architecture. Subclasses set the attributes and override what differs."""
+
+    #: llama.cpp's name for the architecture (``general.architecture``).
+    name: str = ""
+    #: gguf-py's id, for tensor names.
+    model_arch: gguf.MODEL_ARCH
+    #: transformers ``model_type`` values this is llama.cpp's own architecture for.
+    families: tuple[str, ...] = ()
+    #: Per-layer projection biases it loads where present (GGUF tensor kinds).
+    optional_biases: frozenset[str] = frozenset()
+    #: Whether q and k rows are permuted from transformers' half-split RoPE to llama.cpp's pairs.
+    permute_rope: bool = False
+    #: Whether it reads per-layer head counts and MLP widths (else one set for every layer).
+    per_layer: bool = False
+    #: Whether it runs a LLaMA-family model it is not native to (tried after the native one).
+    fallback: bool = False
+    #: Whether it can take models of the LLaMA family (llama, mistral, qwen2, qwen3).
+    llama_family: bool = False
+    #: Float32 round trip rule: (median, worst) position's logit difference, relative (gguf_verify).
+    f32_tolerance: tuple[float, float] = (1.5e-5, 2e-4)
+
+    def check_config(self, config) -> None:
+        """Raise ``ExportRefused`` for a setting no shape of the model could make exportable here."""
+
+    def refusal(self, config, layers: list[LayerShape], head_dim: int, biases: dict[int, set[str]]) -> str | None:
+        """Why this architecture cannot run the model exactly, or None. ``biases``: non-zero bias kinds per layer."""
+        for i, kinds in biases.items():
+            extra = sorted(kinds - self.optional_biases)
+            if extra:
+                return f"llama.cpp's {self.name} has no {extra[0]} bias (layer {i})"
+        if not self.per_layer and len(set(layers)) > 1:
+            what = "head counts" if len({(s.heads, s.kv_heads) for s in layers}) > 1 else "MLP widths"
+            return (
+                f"llama.cpp's {self.name} reads one set of sizes for every layer, and the layers keep different {what}"
+            )
+        return None
+
+    def add_hparams(self, writer: gguf.GGUFWriter, config, layout, n_vocab: int) -> None:
+        """The architecture keys llama.cpp reads."""
+        raise NotImplementedError
+
+    def tensor_data(self, key: str, data):
+        """A state-dict tensor as llama.cpp stores it (``[out, in]``), or None to leave it out."""
+        return data
+
+    def extra_tensors(self, config, head_dim: int) -> list[tuple[str, np.ndarray]]:
+        """Tensors llama.cpp reads that the model has no weight for (name, float32 data)."""
+        return []
+
+    @staticmethod
+    def per_layer_value(layout, attr: str):
+        values = [getattr(s, attr) for s in layout.layers]
+        return values if not layout.uniform else values[0]
