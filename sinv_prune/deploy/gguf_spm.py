@@ -13,10 +13,13 @@ normaliser rewrites text (NFKC, squeezed spaces), is refused rather than written
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 
 import gguf
+
+from sinv_prune.log_level import log_level
 
 SPACE = "\u2581"  # SentencePiece's visible space
 
@@ -95,7 +98,8 @@ def add_sentencepiece_vocab(writer: gguf.GGUFWriter, tokenizer, path: Path, n_vo
     writer.add_add_space_prefix(bool(_load_proto(path).normalizer_spec.add_dummy_prefix))
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
-        special = gguf.SpecialVocab(tmp, load_merges=False, n_vocab=n_vocab)
+        with log_level("gguf.vocab", logging.ERROR):  # it warns of the pair template's '<s>', which it skips
+            special = gguf.SpecialVocab(tmp, load_merges=False, n_vocab=n_vocab)
     special.add_to_gguf(writer, quiet=True)
     if "bos" not in special.add_special_token and getattr(tokenizer, "add_bos_token", None) is not None:
         writer.add_add_bos_token(bool(tokenizer.add_bos_token))
