@@ -244,14 +244,16 @@ def _run(recipe, output: Path, *, verbose: bool = False, **kwargs) -> None:
     from sinv_prune.pipeline.recipe import RecipeError
     from sinv_prune.pipeline.rundir import RunDirError
     from sinv_prune.pipeline.stages import RunStageError, run_recipe
+    from sinv_prune.progress import progress_mode
 
     main = main_by_env()  # under torchrun / accelerate launch only the main process prints and cleans up
     fresh = main and not output.exists()
-    quiet = kwargs["quiet"] or not main
-    # Progress bars on a terminal (or with -v); in a log or a pipe they would be thousands of redraws.
-    kwargs["quiet"] = quiet or not (verbose or sys.stderr.isatty())
+    quiet = kwargs["quiet"] = kwargs["quiet"] or not main
+    # Progress bars on a terminal (or with -v); in a log or a pipe they would be thousands of redraws,
+    # so there a long stage writes a note line now and then instead.
+    mode = "off" if quiet else "bars" if verbose or sys.stderr.isatty() else "notes"
     try:
-        with _console(quiet=quiet, verbose=verbose):
+        with _console(quiet=quiet, verbose=verbose), progress_mode(mode):
             results = run_recipe(recipe, output, **kwargs)
     except (RunStageError, FloatingPointError) as err:  # FloatingPointError: training diverged (ECD's NaN limit)
         raise UsageError(_one_line(err)) from None  # finished stages stay for --resume
@@ -281,14 +283,15 @@ def _console(*, quiet: bool, verbose: bool):
     """Console logging for a run: nothing but errors with ``quiet``; stage lines by default; all with ``-v``.
 
     transformers' own warnings and progress bars (loading, saving) leave the console unless ``-v``;
-    its warnings still reach ``run.log``.
+    its warnings still reach ``run.log``. lm-eval's log lines, prints and bars only with ``-v``
+    (:func:`sinv_prune.lmeval.harness.lm_eval_chatty`).
     """
     import logging
 
     from transformers.utils import logging as hf_logging
 
-    log = logging.getLogger("sinv_prune")
-    handler = None
+    log, lm_eval = logging.getLogger("sinv_prune"), logging.getLogger("lm_eval")
+    handler, lm_eval_level = None, lm_eval.level
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     if quiet:
         hf_logging.set_verbosity_error()
@@ -298,6 +301,9 @@ def _console(*, quiet: bool, verbose: bool):
         handler.addFilter(_ConsoleFilter(verbose))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+        if verbose:
+            lm_eval.addHandler(handler)
+            lm_eval.setLevel(logging.INFO)
     if quiet or not verbose:
         hf_logging.disable_default_handler()
         hf_logging.disable_progress_bar()
@@ -306,6 +312,8 @@ def _console(*, quiet: bool, verbose: bool):
     finally:
         if handler is not None:
             log.removeHandler(handler)
+            lm_eval.removeHandler(handler)
+            lm_eval.setLevel(lm_eval_level)
         if quiet or not verbose:
             hf_logging.enable_default_handler()
         hf_logging.set_verbosity(verbosity)

@@ -82,3 +82,53 @@ def test_the_gguf_conversion_bar_follows_transformers_progress_setting():
     assert gguf_utils.tqdm is original
     with _gguf_bar_follows_transformers():
         assert gguf_utils.tqdm is original  # bars enabled: untouched
+
+
+# -- progress without a terminal, lm-eval's chatter --------------------------------------------------
+
+TASKS_RECIPE = {
+    "name": "notes",
+    "seed": 0,
+    "model": {"architecture": "gpt2", "config": {"n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64}},
+    "data": {"synthetic": {"seed": 0, "num_train": 200, "num_valid": 30, "num_test": 30},
+             "tokenizer": {"kind": "word"}, "seq_len": 32},
+    "train": {"max_steps": 4, "batch_size": 8, "learning_rate": 0.003},
+    "score": {"batches": 2, "batch_size": 4},
+    "prune": {"arms": [{"criterion": "taylor", "amount": 2}]},
+    "evaluate": {"speed": False, "prompts": [], "tasks": ["mc"]},
+}  # fmt: skip
+BAR_MARKS = ("it/s", "\r", "|█", "%|")
+
+
+@pytest.fixture(scope="module")
+def task_recipe(tmp_path_factory):
+    pytest.importorskip("lm_eval", reason='lm-eval is not installed (pip install "sinv_prune[eval]")')
+    from test_lmeval import mc_task
+
+    tmp = tmp_path_factory.mktemp("notes")
+    mc_task(tmp / "mc", words=["lo", "li", "la", "le", "lu"], n=12)
+    return recipe_file(tmp, TASKS_RECIPE)
+
+
+@pytest.mark.parametrize("flags", [(), ("--quiet",), ("-v",)], ids=["default", "quiet", "verbose"])
+def test_progress_outside_a_terminal(task_recipe, tmp_path, monkeypatch, flags):
+    """A captured run (no terminal) writes note lines with an ETA and no bars; -q neither; -v lm-eval's bars."""
+    import sinv_prune.progress
+
+    monkeypatch.setattr(sinv_prune.progress, "NOTE_EVERY_S", 0.0)  # a note at every update
+    result = invoke(task_recipe, "--output", tmp_path / "out", *flags)
+    assert result.exit_code == 0, result.output
+    console = result.output
+    notes = [line for line in console.splitlines() if ", ETA " in line]
+    lm_eval_bars = "Running loglikelihood requests:" in console and "it/s" in console
+    if not flags:
+        assert not any(mark in console for mark in BAR_MARKS), console
+        assert "training: 2 / 4 step, " in console and "scoring: 1 / 2 batch, " in console
+        assert "perplexity: 8 / 32 window, " in console
+        assert any(line.startswith("Running loglikelihood requests: ") for line in notes)  # lm-eval's, as notes
+        assert "bootstrapping" not in console and "Building contexts" not in console
+    elif flags == ("--quiet",):
+        assert not notes and not any(mark in console for mark in BAR_MARKS) and "bootstrapping" not in console
+    else:
+        assert lm_eval_bars and "Building contexts for tiny_mc" in console  # lm-eval's bars and INFO lines
+    assert "tiny_mc" in (tmp_path / "out" / "results.json").read_text()

@@ -40,6 +40,7 @@ from sinv_prune.deploy.gguf_tensors import (
     permute_qk,
 )
 from sinv_prune.deploy.gguf_vocab import add_vocab
+from sinv_prune.progress import current_mode
 from sinv_prune.surgery.record import get_record
 from sinv_prune.version import __version__
 
@@ -166,7 +167,7 @@ def export_gguf(
             writer.add_tensor(t.name, data, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=True)
+        writer.write_tensors_to_file(progress=current_mode() == "bars")  # no redraws in a log
         writer.close()
         if type in K_QUANTS:
             quantize(float_file, tmp, type)

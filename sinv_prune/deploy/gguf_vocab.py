@@ -3,7 +3,10 @@
 * **From a GGUF file** (the model came from one): every ``tokenizer.*`` key (vocabulary, merges,
   special ids, pre-tokenizer name, chat template) is copied as it is, so llama.cpp tokenizes
   exactly as it did for the source.
-* **From a transformers tokenizer**: saved to a temporary folder and read back with ``gguf.vocab``
+* **From a SentencePiece tokenizer** (one built from a ``tokenizer.model``: LLaMA-2, Mistral v0.1,
+  TinyLlama): llama.cpp's "llama" tokenizer with scores and token types
+  (:mod:`sinv_prune.deploy.gguf_spm`).
+* **From a byte-level BPE transformers tokenizer**: saved to a temporary folder and read back with ``gguf.vocab``
   (``BpeVocab`` for byte-level BPE, ``SpecialVocab`` for merges, special ids, add-BOS/EOS and the
   chat template). llama.cpp splits text with a pre-tokenizer it knows by name; the name is found
   as llama.cpp's ``convert_hf_to_gguf.py`` finds it, by the hash of the token ids of a fixed text
@@ -22,6 +25,7 @@ from pathlib import Path
 import gguf
 
 from sinv_prune.deploy.errors import ExportRefused
+from sinv_prune.deploy.gguf_spm import add_sentencepiece_vocab, sentencepiece_file
 from sinv_prune.deploy.pre_tokenizers import CHECK_TEXT, PRE_TOKENIZERS
 
 
@@ -33,6 +37,9 @@ def add_vocab(writer: gguf.GGUFWriter, tokenizer, n_vocab: int, source_gguf: str
     if tokenizer is None:
         writer.add_tokenizer_model("none")  # llama.cpp sizes the vocabulary from <arch>.vocab_size
         return "none (vocabulary-free: token ids in, logits out)"
+    spm = sentencepiece_file(tokenizer)
+    if spm is not None:
+        return add_sentencepiece_vocab(writer, tokenizer, spm, n_vocab)
     return build_from_hf(writer, tokenizer, n_vocab)
 
 

@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import io
 import json
 import logging
 import os
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sinv_prune.lmeval.dependency import TasksError, require_lm_eval
 from sinv_prune.log_level import log_level
+from sinv_prune.progress import bar
 
 logger = logging.getLogger("sinv_prune")
 
@@ -214,7 +217,7 @@ def evaluate_tasks(
     from lm_eval.models.huggingface import HFLM
 
     batch = resolve_batch_size(batch_size, model.device)
-    with _quiet_lm_eval(), _keep_rng():
+    with _quiet_lm_eval(), _lm_eval_bars(), _keep_rng():
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch)
         raw = simple_evaluate(
             model=lm,
@@ -290,19 +293,61 @@ def make_table(result: dict) -> str:
     return lm_make_table(result["lm_eval"])
 
 
+def lm_eval_chatty() -> bool:
+    """Whether lm-eval may talk: its logger set to INFO or lower by the caller (``sinv-prune -v`` does)."""
+    return logging.NOTSET < logging.getLogger("lm_eval").level <= logging.INFO
+
+
 @contextlib.contextmanager
 def _quiet_lm_eval():
-    """lm-eval's warnings about a model passed as an object (expected here) off; bootstrap in-process."""
+    """lm-eval's chatter off unless :func:`lm_eval_chatty`: its log lines below ERROR (the warnings about
+    a model passed as an object are expected here), its prints ("bootstrapping for stddev") and the
+    datasets library's bars while it loads task data. Bootstrap in-process."""
+    import datasets
+
     env = os.environ.get("DISABLE_MULTIPROC")
     os.environ["DISABLE_MULTIPROC"] = "1"  # no process pool forked from a process holding a model
+    datasets_bars = datasets.is_progress_bar_enabled()
+    chatty = lm_eval_chatty()
     try:
-        with log_level("lm_eval", logging.ERROR):
+        with contextlib.ExitStack() as stack:
+            if not chatty:
+                stack.enter_context(log_level("lm_eval", logging.ERROR))
+                stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+                datasets.disable_progress_bars()
             yield
     finally:
+        if not chatty and datasets_bars:
+            datasets.enable_progress_bars()
         if env is None:
             os.environ.pop("DISABLE_MULTIPROC", None)
         else:
             os.environ["DISABLE_MULTIPROC"] = env
+
+
+def _lm_eval_bar(iterable=None, desc: str | None = None, total=None, **kwargs):
+    """tqdm's signature for lm-eval's bars, drawn by :func:`sinv_prune.progress.bar` (bars, notes or nothing)."""
+    return bar(iterable, desc=desc or "lm-eval", total=total, **kwargs)
+
+
+@contextlib.contextmanager
+def _lm_eval_bars():
+    """lm-eval's own tqdm bars (``from tqdm import tqdm`` in its modules, some inside functions) go through
+    :func:`sinv_prune.progress.bar` for the block: a quiet run shows none, a log gets note lines."""
+    import tqdm
+
+    original = tqdm.tqdm
+    modules = [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "lm_eval"
+               and getattr(m, "tqdm", None) is original]  # fmt: skip
+    tqdm.tqdm = _lm_eval_bar
+    for module in modules:
+        module.tqdm = _lm_eval_bar
+    try:
+        yield
+    finally:
+        tqdm.tqdm = original
+        for module in modules:
+            module.tqdm = original
 
 
 @contextlib.contextmanager

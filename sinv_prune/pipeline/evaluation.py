@@ -58,9 +58,9 @@ def _vocab_size(model: nn.Module) -> int:
 def _progress(total: int, desc: str, enabled: bool, unit: str):
     """A bar that disappears when done (``leave=False``): a run evaluates many models, and each finished
     one leaves its result line in the log instead of a full bar."""
-    from tqdm.auto import tqdm
+    from sinv_prune.progress import bar
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True, leave=False)
+    return bar(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True, leave=False)
 
 
 class _EvalMode:

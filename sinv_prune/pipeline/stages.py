@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from sinv_prune.log_level import log_level
 from sinv_prune.pipeline import data as data_mod
@@ -53,6 +52,7 @@ from sinv_prune.pipeline.starting_model import build_model, is_masked_lm
 from sinv_prune.pipeline.tasks import model_tasks
 from sinv_prune.pipeline.threads import parse_threads, recipe_threads
 from sinv_prune.pipeline.training import remove_checkpoints, run_trainer
+from sinv_prune.progress import bar
 from sinv_prune.scoring.allocation import needs_data
 from sinv_prune.scoring.criteria import Criterion, StoredScores, criterion_class, get_criterion
 from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
@@ -412,7 +412,7 @@ def _score_batches(run: Run):
     n = min(spec.batches * spec.batch_size, len(blocks))
     ids = torch.tensor(blocks[:n]["input_ids"])
     chunks = list(torch.split(ids, spec.batch_size))
-    for chunk in tqdm(chunks, desc="scoring", disable=run.quiet):
+    for chunk in bar(chunks, desc="scoring", unit="batch", disable=run.quiet):
         batch = {"input_ids": chunk.to(run.device)}
         if is_masked_lm(run.base):
             batch = _mask_batch(run, batch["input_ids"])
@@ -561,6 +561,7 @@ def stage_finetune(run: Run) -> None:
             quiet=run.quiet,
             resume=True,
             teacher=teacher,
+            desc=f"fine-tuning {arm.label}",
         )
         if spec.lora is not None:
             model = merge_lora(model)
@@ -769,7 +770,7 @@ def stage_export(run: Run, results: dict) -> dict:
     source = Path(run.recipe.resolve(model_spec.path)) / model_spec.gguf_file if model_spec.gguf_file else None
     targets = [("baseline", "base", run.base)] + [(row["name"], row["model_dir"], None) for row in results["arms"]]
     out: dict[str, Any] = {}
-    for name, model_dir, model in tqdm(targets, desc="export gguf", disable=run.quiet):
+    for name, model_dir, model in bar(targets, desc="export gguf", unit="file", disable=run.quiet):
         model = model if model is not None else load_saved(run, run.root / model_dir)
         file = (run.root / model_dir).parent / "model.gguf" if name != "baseline" else run.root / "base" / "model.gguf"
         try:

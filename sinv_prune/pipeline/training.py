@@ -15,16 +15,34 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from sinv_prune.pipeline.recipe import TrainSpec
+from sinv_prune.progress import bar
 
 logger = logging.getLogger("sinv_prune")
 
 
 class BarOnly(ProgressCallback):
-    """The Trainer's progress bar without the metrics dict it prints at every log step: those go to
-    the run log (:class:`LogToLogger`), and to the console only at ``sinv-prune -v``."""
+    """The Trainer's progress bar (a note line outside a terminal, :mod:`sinv_prune.progress`) without the
+    metrics dict it prints at every log step: those go to the run log (:class:`LogToLogger`), and to the
+    console only at ``sinv-prune -v``."""
+
+    def __init__(self, desc: str = "training"):
+        super().__init__()
+        self.desc = desc
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.training_bar = bar(total=state.max_steps, desc=self.desc, unit="step", dynamic_ncols=True)
+        self.current_step = 0
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if state.is_world_process_zero and has_length(eval_dataloader):
+            if self.prediction_bar is None:
+                self.prediction_bar = bar(total=len(eval_dataloader), desc=f"{self.desc} eval", unit="batch",
+                                          leave=self.training_bar is None, dynamic_ncols=True)  # fmt: skip
+            self.prediction_bar.update(1)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         pass
@@ -76,8 +94,11 @@ def run_trainer(
     callbacks: list[TrainerCallback] = (),
     resume: bool = False,
     teacher: torch.nn.Module | None = None,
+    desc: str = "training",
 ):
     """Train ``model`` in place; returns the Trainer's ``TrainOutput``. Checkpoints go to ``output_dir``.
+
+    ``desc`` names the stage on its progress bar or notes.
 
     With ``spec.distill`` the loss is the distillation loss of :mod:`sinv_prune.pipeline.distill` against
     ``teacher`` (required then; frozen, moved to the trainer's device, never saved).
@@ -143,7 +164,7 @@ def run_trainer(
     )
     trainer.remove_callback(PrinterCallback)  # the metrics reach the run log through LogToLogger
     if trainer.pop_callback(ProgressCallback) is not None:
-        trainer.add_callback(BarOnly)
+        trainer.add_callback(BarOnly(desc))
     last = get_last_checkpoint(str(output_dir)) if resume and Path(output_dir).is_dir() else None
     if last:
         logger.info("resuming training from %s", last)

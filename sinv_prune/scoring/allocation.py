@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from sinv_prune.arch import HeadLayout, get_adapter
+from sinv_prune.progress import bar
 from sinv_prune.scoring.gates import channel_gates, head_gates
 from sinv_prune.scoring.selection import _configs, select_heads
 from sinv_prune.scoring.selection_units import _removals, quarter, standardize
@@ -368,7 +368,7 @@ def block_damage(model: nn.Module, groups: Sequence[Group], batches: Sequence[Ma
             inputs = capture_block_inputs(model, adapter, batches, holdout=0)
             hidden = [inp.hidden for inp in inputs]
             blocks = adapter.layers()
-            for layer in tqdm(range(len(blocks)), desc="sensitivity", disable=quiet):
+            for layer in bar(range(len(blocks)), desc="sensitivity", unit="layer", disable=quiet):
                 block = blocks[layer]
                 clean = [inp.run(block, layer, h) for h, inp in zip(hidden, inputs, strict=True)]
                 norm = sum(_energy(y, inp) for y, inp in zip(clean, inputs, strict=True))
@@ -435,23 +435,23 @@ def _search(groups: list[Group], target: int, context: Context) -> list[int]:
     movable = [p for p in peers.values() if len(p) > 1]
     rng = random.Random(context.seed)
     fitness = KLFitness(model, groups, batches)
-    with fitness, tqdm(total=budget, desc="search (KL)", disable=context.quiet) as bar:
+    with fitness, bar(total=budget, desc="search (KL)", unit="plan", disable=context.quiet) as search:
         best, best_fit = list(seed_plan), fitness(seed_plan)
         seed_fit, history = best_fit, [best_fit]
-        bar.update(1)
-        bar.set_postfix(best=f"{best_fit:.5f}")
+        search.update(1)
+        search.set_postfix(best=f"{best_fit:.5f}")
         used = 1
         while used < budget and movable:
             children = [_mutate(best, movable, steps, allowed, rng) for _ in range(min(offspring, budget - used))]
             for child in children:
                 used += 1
-                bar.update(1)
+                search.update(1)
                 if child == best:
                     continue
                 fit = fitness(child)
                 if fit < best_fit:
                     best, best_fit = child, fit
-                    bar.set_postfix(best=f"{best_fit:.5f}")
+                    search.set_postfix(best=f"{best_fit:.5f}")
             history.append(best_fit)
     context.details["search"] = {"seed_fitness": seed_fit, "best_fitness": best_fit, "evaluations": used,
                                  "budget": budget, "history": history}  # fmt: skip
