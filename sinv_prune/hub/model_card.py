@@ -198,7 +198,7 @@ def _evaluation(results, row, stage, recipe, baseline, after) -> list[str]:
               "| --- | ---: | ---: |" + " ---: |" * (len(names) + bool(gguf))]  # fmt: skip
     final = "finetuned" if row.get("finetuned") else "pruned"  # the arm's model export.gguf wrote
     models = [("base model", baseline, gguf.get("baseline"))] + [
-        (label + (" **(this checkpoint)**" if key == stage else ""), row[key], gguf.get(row["name"]) if key == final
+        (label + (" **(this checkpoint)**" if key == stage else ""), row[key], gguf.get(row.get("name")) if key == final
          else None)
         for key, label in (("pruned", "pruned"), ("finetuned", "pruned + fine-tuned"))
         if row.get(key)

@@ -2,16 +2,16 @@
 
 Without this, ``model.save_pretrained(dir)`` after a GGUF or Hub load writes weights and config only,
 and every next step a user takes on ``dir`` (``sinv-prune eval``, ``export``, ``push``) lacks the
-tokenizer. The source is a small picklable dict on the model (``sinv_tokenizer_source``); the
-instance's ``save_pretrained`` (also what ``push_to_hub`` calls) writes the tokenizer after the
-weights, unless the directory already has one or this is not the main process.
+tokenizer. The source is a small dict on the model (``sinv_tokenizer_source``); the instance's
+``save_pretrained`` (also what ``push_to_hub`` calls) writes the tokenizer after the weights,
+unless the directory already has one or this is not the main process.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import types
+import weakref
 from pathlib import Path
 
 from torch import nn
@@ -38,7 +38,30 @@ def remember_tokenizer(model: nn.Module, source: dict | None) -> None:
     if source is None:
         return
     setattr(model, ATTR, source)
-    model.save_pretrained = types.MethodType(_save_with_tokenizer, model)  # bound: a deepcopy rebinds it
+    model.save_pretrained = _SaveWithTokenizer(model)
+
+
+class _SaveWithTokenizer:
+    """The instance's ``save_pretrained``: the class's, then the tokenizer.
+
+    It holds the model weakly: a bound method in the model's own ``__dict__`` would be a reference
+    cycle, keeping every such model alive until the cyclic collector runs. A ``deepcopy`` of the
+    model gets one bound to the copy (``copy`` registers the new model in ``memo`` before its state).
+    """
+
+    def __init__(self, model: nn.Module):
+        self._model = weakref.ref(model)
+
+    def __call__(self, save_directory, *args, **kwargs):
+        model = self._model()
+        if model is None:
+            raise ReferenceError("the model this save_pretrained belonged to is gone")
+        return _save_with_tokenizer(model, save_directory, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        model = self._model()
+        twin = memo.get(id(model)) if model is not None else None
+        return _SaveWithTokenizer(twin if twin is not None else model)
 
 
 def load_source_tokenizer(source: dict):
