@@ -64,7 +64,7 @@ def row(model_name, type_, cache, inputs, reference_model, path) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    started = begin_wikitext_run(args, "llama.cpp vs transformers per GGUF type", "scripts/gguf_agreement.py", argv,
+    started = begin_wikitext_run(args, "llama.cpp vs transformers per GGUF type", __file__, argv,
                                  "cpu", args.threads)  # fmt: skip
     if started is None:
         return 0
