@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 from click.testing import CliRunner
+from test_gguf_export import EXPORT_RECIPE
 
 from sinv_prune.cli import _print_summary, main
 from sinv_prune.pipeline.report import summary_rows
@@ -66,21 +67,11 @@ def test_task_means_sit_beside_perplexity_when_the_run_had_tasks(capsys):
 # -- GGUF sizes (export.gguf) -------------------------------------------------------------------------
 
 GGUF_RECIPE = {
+    **EXPORT_RECIPE,
     "name": "gguf-sizes",
-    "model": {
-        "architecture": "mistral",
-        "config": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
-                   "intermediate_size": 48},
-    },
-    "data": {"synthetic": {"seed": 0, "num_train": 60, "num_valid": 10, "num_test": 10},
-             "tokenizer": {"kind": "word"}, "seq_len": 32},
-    "train": {"max_steps": 2, "batch_size": 8},
-    "score": {"batches": 1, "batch_size": 4},
-    "prune": {"arms": [{"criterion": "magnitude", "amount": 4, "mode": "uniform"}]},
-    "finetune": {"max_steps": 1, "batch_size": 8},
-    "evaluate": {"speed": False},
+    "prune": {"arms": EXPORT_RECIPE["prune"]["arms"][:1]},
     "export": {"gguf": {"type": "q8_0", "vocab": False, "verify": False}},
-}  # fmt: skip
+}
 
 
 def test_gguf_column_holds_type_and_size_only_when_the_run_exported():

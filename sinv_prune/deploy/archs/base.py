@@ -43,6 +43,11 @@ class GGUFArch:
     fallback: bool = False
     #: Whether it can take models of the LLaMA family (llama, mistral, qwen2, qwen3).
     llama_family: bool = False
+    #: Whether attention must span the hidden size (heads x head_dim = hidden): a fused QKV, or a loader
+    #: that sizes the attention output from the hidden size.
+    full_width_attention: bool = False
+    #: The config's name for the hidden size (as the refusal names it).
+    hidden_key: str = "hidden_size"
     #: Float32 round trip rule: (median, worst) position's logit difference, relative (gguf_verify).
     f32_tolerance: tuple[float, float] = (1.5e-5, 2e-4)
 
@@ -59,6 +64,12 @@ class GGUFArch:
             what = "head counts" if len({(s.heads, s.kv_heads) for s in layers}) > 1 else "MLP widths"
             return (
                 f"llama.cpp's {self.name} reads one set of sizes for every layer, and the layers keep different {what}"
+            )
+        hidden = getattr(config, self.hidden_key)
+        if self.full_width_attention and layers[0].heads * head_dim != hidden:
+            return (
+                f"llama.cpp's {self.name} needs heads x head_dim = {self.hidden_key} "
+                f"({layers[0].heads} x {head_dim} != {hidden})"
             )
         return None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gguf
 
-from sinv_prune.deploy.archs.base import GGUFArch, LayerShape
+from sinv_prune.deploy.archs.base import GGUFArch
 from sinv_prune.deploy.archs.registry import register
 from sinv_prune.deploy.errors import ExportRefused
 
@@ -18,6 +18,8 @@ class GPT2(GGUFArch):
     model_arch = gguf.MODEL_ARCH.GPT2
     families = ("gpt2",)
     optional_biases = frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"})  # its loader needs them all
+    full_width_attention = True  # the fused QKV
+    hidden_key = "n_embd"
     f32_tolerance = (5e-5, 4e-4)  # llama.cpp's GELU reads an f16 table: ~1.7e-5 on tiny models
 
     def check_config(self, config) -> None:
@@ -27,15 +29,6 @@ class GPT2(GGUFArch):
             )
         if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ExportRefused(f"cannot export: llama.cpp's gpt2 uses tanh-GELU, not {config.activation_function!r}")
-
-    def refusal(self, config, layers: list[LayerShape], head_dim: int, biases: dict[int, set[str]]) -> str | None:
-        reason = super().refusal(config, layers, head_dim, biases)
-        if reason is None and layers[0].heads * head_dim != config.n_embd:
-            reason = (
-                f"llama.cpp's gpt2 needs heads x head_dim = n_embd in its fused QKV "
-                f"({layers[0].heads} x {head_dim} != {config.n_embd})"
-            )
-        return reason
 
     def add_hparams(self, writer: gguf.GGUFWriter, config, layout, n_vocab: int) -> None:
         writer.add_block_count(len(layout.layers))
