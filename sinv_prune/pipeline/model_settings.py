@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from sinv_prune.pipeline.recipe import DEVICE_MAP_STRATEGIES, LoraSpec, Recipe, RecipeError
+from sinv_prune.pipeline.recipe import DEVICE_MAP_STRATEGIES, LoraSpec, Recipe, RecipeError, first_line
 
 
 def torch_dtype(recipe: Recipe) -> torch.dtype | None:
@@ -100,7 +100,7 @@ def check_attn_implementation(model: nn.Module, name: str) -> None:
         with torch.device("meta"):
             type(model)(config)
     except (ImportError, ValueError) as err:
-        raise RecipeError(f"model.attn_implementation: {_first_line(err)}") from None
+        raise RecipeError(f"model.attn_implementation: {first_line(err)}") from None
 
 
 def _map_devices(device_map) -> list[torch.device]:
@@ -146,7 +146,3 @@ def wrap_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
 def merge_lora(model: nn.Module) -> nn.Module:
     """The plain model with its LoRA adapters folded into the weights (what gets saved)."""
     return model.merge_and_unload().requires_grad_(True)
-
-
-def _first_line(err: BaseException) -> str:
-    return " ".join(str(err).split()).strip("'\"")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sinv_prune.arch.base import HeadAdapter, HeadLayout
-from sinv_prune.pipeline.recipe import Recipe, RecipeError
-from sinv_prune.pipeline.starting_model import first_line, is_masked_lm, meta_adapter
+from sinv_prune.pipeline.recipe import Recipe, RecipeError, first_line
+from sinv_prune.pipeline.starting_model import is_masked_lm, meta_adapter
 
 
 def check_compensation(recipe: Recipe, adapter: HeadAdapter) -> None:

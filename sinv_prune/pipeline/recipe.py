@@ -53,6 +53,11 @@ class RecipeError(ValueError):
     """A recipe that cannot run; the message is one line naming the key path."""
 
 
+def first_line(err: BaseException) -> str:
+    """An error's message on one line, for a ``RecipeError`` that names the key."""
+    return " ".join(str(err).split()).strip("'\"")
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

@@ -17,8 +17,8 @@ import transformers
 from torch import nn
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.arch.base import HeadAdapter, HeadLayout
-from sinv_prune.pipeline.recipe import SCRATCH_ARCHITECTURES, Recipe, RecipeError
+from sinv_prune.arch.base import HeadAdapter
+from sinv_prune.pipeline.recipe import SCRATCH_ARCHITECTURES, Recipe, RecipeError, first_line
 
 
 def is_masked_lm(model: nn.Module) -> bool:
@@ -71,12 +71,6 @@ def meta_adapter(recipe: Recipe) -> HeadAdapter:
         return get_adapter(model)
     except ValueError as err:
         raise RecipeError(f"model: {err}") from None
-
-
-def head_layouts(recipe: Recipe) -> list[HeadLayout]:
-    """The starting model's head layouts, from its config alone."""
-    adapter = meta_adapter(recipe)
-    return [adapter.layout(i) for i in range(adapter.num_layers)]
 
 
 def starting_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, type]:
@@ -139,8 +133,3 @@ def _check_local_path(recipe: Recipe) -> None:
     local = local if local.is_absolute() else recipe._base_dir / local
     if not local.exists():
         raise RecipeError(f"model.path: no such directory: {local}")
-
-
-def first_line(err: BaseException) -> str:
-    """An error's message on one line, for a ``RecipeError`` that names the key."""
-    return " ".join(str(err).split()).strip("'\"")
