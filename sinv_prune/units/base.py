@@ -93,6 +93,40 @@ class Unit(ABC):
         random.Random(seed + layer).shuffle(tie)
         return sorted(sorted(range(len(scores)), key=lambda j: (scores[j], tie[j]))[:count])
 
+    @abstractmethod
+    def select(self, model: nn.Module, part, scores, amount, kept: list[int], exact: bool) -> Any:
+        """The plan entry of ``part`` (current numbering): ``amount`` items among the layers ``kept``
+        (a whole-layer unit: among all layers), lowest ``scores`` first under the part's constraints."""
+
+    def select_round(self, model: nn.Module, part, scores, share: int, remaining: int, kept: list[int],
+                     start_sizes: list[int]) -> Any:  # fmt: skip
+        """One round's entry: ``share`` items (or the nearest achievable), else up to ``remaining``; ``{}`` if
+        none. ``start_sizes``: per layer in ``kept``, the items it held when the rounds began."""
+        for request in (share, remaining):
+            try:
+                return self.select(model, part, scores, request, kept, False)
+            except ValueError:
+                continue
+        return {}
+
+    # -- the model's geometry in original numbering ------------------------------------------
+
+    def original_items(self, record, adapter: HeadAdapter, layer: int, orig: int) -> list[int]:
+        """The items current ``layer`` (original ``orig``) still holds, in original numbering (``record``
+        None: an unpruned model, numbered as it is)."""
+        raise ValueError(f"unit {self.name!r} has no items per layer")
+
+    def change(self, adapter: HeadAdapter, layer: int, where: list[int], gone: list[int], now: int, kept: list[int]):
+        """The summary change of ``layer`` (numbering before) that lost ``where`` (``gone`` in original numbering);
+        it is current layer ``now`` and keeps ``kept``."""
+        raise ValueError(f"unit {self.name!r} has no changes per layer")
+
+    def removed(self, summary) -> Any:
+        """What a :class:`~sinv_prune.surgery.removal.PruneSummary` says this unit lost, as a plan entry."""
+        if self.whole_layers:
+            return list(summary.removed_layers)
+        return {c.layer: sorted(c.removed) for c in getattr(summary, self.summary_field)}
+
     # -- the plan -------------------------------------------------------------------------
 
     @abstractmethod
@@ -145,6 +179,14 @@ class Unit(ABC):
 
 
 # -- checks shared by the units' plan entries ---------------------------------------------
+
+
+def score_rows(scores, layers: int, unit: str) -> list:
+    """``scores`` checked to have one row per layer (the selection checks the rows)."""
+    if isinstance(scores, str) or not isinstance(scores, Sequence) or len(scores) != layers:
+        got = len(scores) if isinstance(scores, Sequence) else type(scores).__name__
+        raise ValueError(f"{unit} scores must be a list per layer of the {layers} layers, got {got}")
+    return list(scores)
 
 
 def per_layer(adapter: HeadAdapter, request: Mapping, unit: str, noun: str) -> Iterator[tuple[int, list[int]]]:

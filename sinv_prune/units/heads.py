@@ -10,11 +10,11 @@ from torch import nn
 
 from sinv_prune.arch import HeadAdapter, HeadLayout, get_adapter
 from sinv_prune.scoring.gates import head_gates
-from sinv_prune.scoring.selection import DEFAULT_LAYOUT, _configs, select_heads
+from sinv_prune.scoring.selection import DEFAULT_LAYOUT, _configs, model_layouts, select_heads
 from sinv_prune.surgery.cuts import head_cuts
 from sinv_prune.surgery.record import PruningRecord
 from sinv_prune.surgery.shapes import apply_layer
-from sinv_prune.units.base import Unit, per_layer
+from sinv_prune.units.base import Unit, per_layer, score_rows
 from sinv_prune.units.registry import register_unit
 
 
@@ -59,6 +59,35 @@ class HeadsUnit(Unit):
 
     def validate(self, model, adapter, entry, *, allow_empty_layers=False):
         return plan_removal(adapter, entry or {}, allow_empty_layers=allow_empty_layers)
+
+    def select(self, model, part, scores, amount, kept, exact):
+        layouts = model_layouts(model)
+        least = 1 if part.min_per_layer is None else part.min_per_layer
+        options = dict(mode=part.mode, layout=part.layout, min_heads_per_layer=least, seed=part.seed)
+        if kept is None or len(kept) == len(layouts):
+            return select_heads(scores, amount, layouts=layouts, exact=exact, **options)
+        rows = score_rows(scores, len(layouts), self.name)
+        chosen = select_heads(
+            [rows[layer] for layer in kept], amount, layouts=[layouts[layer] for layer in kept], exact=exact, **options
+        )
+        return {kept[i]: h for i, h in chosen.items()}
+
+    def select_round(self, model, part, scores, share, remaining, kept, start_sizes):
+        """The smallest valid cut of at least ``share`` heads and at most ``remaining``; ``{}`` if none."""
+        self.select(model, part, scores, 0, kept, False)  # bad scores (shape, NaN) raise here, not below
+        for request in range(share, remaining + 1):
+            try:
+                return self.select(model, part, scores, request, kept, True)
+            except ValueError:
+                continue
+        return {}
+
+    def original_items(self, record, adapter, layer, orig):
+        return record.kept_heads(orig) if record is not None else list(range(adapter.layout(layer).num_heads))
+
+    def change(self, adapter, layer, where, gone, now, kept):
+        lay = adapter.layout(now)
+        return LayerChange(layer, where, gone, lay.num_heads, lay.num_kv_heads)
 
     summary_field = "layers"
     described = "heads"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter, get_adapter
+from sinv_prune.scoring.selection_units import select_layers
 from sinv_prune.units.base import Unit, index, index_list
 from sinv_prune.units.registry import register_unit
 
@@ -26,8 +27,23 @@ class LayersUnit(Unit):
     def cost(self, model: nn.Module, layer: int) -> int:
         return sum(p.numel() for p in get_adapter(model).layers()[layer].parameters())
 
+    def select(self, model, part, scores, amount, kept, exact):
+        rows = layer_scores(scores, len(kept))
+        return select_layers(rows, amount, min_layers=part.min_per_layer or 1, seed=part.seed)
+
+    def select_round(self, model, part, scores, share, remaining, kept, start_sizes):
+        return self.select(model, part, scores, share, kept, False) if share else []
+
     def validate(self, model, adapter, entry, *, allow_empty_layers=False):
         return plan_layers(model, adapter, entry or [])
+
+
+def layer_scores(scores, layers: int) -> list:
+    """Layer scores checked to have one entry per layer."""
+    if isinstance(scores, str) or not isinstance(scores, Sequence) or len(scores) != layers:
+        got = len(scores) if isinstance(scores, Sequence) else type(scores).__name__
+        raise ValueError(f"layer scores must have one float for each of the {layers} layers, got {got}")
+    return list(scores)
 
 
 def plan_layers(model: nn.Module, adapter: HeadAdapter, layers: Iterable[int]) -> list[int]:

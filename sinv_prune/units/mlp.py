@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -9,13 +10,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter, get_adapter
+from sinv_prune.log_level import log_level
 from sinv_prune.scoring.gates import channel_gates
 from sinv_prune.scoring.selection import _nonnegative
-from sinv_prune.scoring.selection_units import _removals, quarter
+from sinv_prune.scoring.selection_units import _removals, quarter, select_channels
 from sinv_prune.surgery.cuts import mlp_cuts
 from sinv_prune.surgery.record import PruningRecord
 from sinv_prune.surgery.shapes import apply_mlp
-from sinv_prune.units.base import Unit, per_layer
+from sinv_prune.units.base import Unit, per_layer, score_rows
 from sinv_prune.units.registry import register_unit
 
 
@@ -51,6 +53,50 @@ class MlpUnit(Unit):
 
     def validate(self, model, adapter, entry, *, allow_empty_layers=False):
         return plan_channels(adapter, {} if entry is None else entry)
+
+    def select(self, model, part, scores, amount, kept, exact):
+        sizes = self.sizes(model)
+        rows = score_rows(scores, len(sizes), self.name)
+        chosen = select_channels(
+            [sizes[layer] for layer in kept],
+            [rows[layer] for layer in kept],
+            amount,
+            mode=part.mode,
+            min_channels_per_layer=part.min_per_layer,
+            multiple=part.multiple,
+            seed=part.seed,
+            exact=exact,
+        )
+        return {kept[i]: channels for i, channels in chosen.items()}
+
+    def select_round(self, model, part, scores, share, remaining, kept, start_sizes):
+        """``share`` channels (or the nearest achievable below; else up to ``remaining``); ``{}`` if none.
+
+        Floors are those of the widths at the start: a quarter of each in ``global`` mode unless the
+        part sets ``min_per_layer``, so rounds do not starve a layer one quarter at a time.
+        """
+        sizes = self.sizes(model)
+        rows = score_rows(scores, len(sizes), self.name)
+        floor = part.min_per_layer
+        if floor is None and part.mode == "global":
+            floor = [quarter(n) for n in start_sizes]
+        for request in (share, remaining):
+            try:
+                with log_level(select_channels.__module__, logging.ERROR):  # a share the multiple misses: ours
+                    chosen = select_channels([sizes[i] for i in kept], [rows[i] for i in kept], request,
+                                             mode=part.mode, min_channels_per_layer=floor, multiple=part.multiple,
+                                             seed=part.seed)  # fmt: skip
+            except ValueError:
+                continue
+            return {kept[i]: channels for i, channels in chosen.items()}
+        return {}
+
+    def original_items(self, record, adapter, layer, orig):
+        known = record is not None and record.intermediate_size  # older records: unpruned MLPs
+        return record.kept_channels(orig) if known else list(range(adapter.intermediate_size(layer)))
+
+    def change(self, adapter, layer, where, gone, now, kept):
+        return MlpChange(layer, where, gone, len(kept))
 
     summary_field = "mlp"
     described = "MLP channels"
