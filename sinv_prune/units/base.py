@@ -43,6 +43,8 @@ class Unit(ABC):
     whole_layers: ClassVar[bool] = False
     settings: ClassVar[Mapping[str, Any]] = {}
     min_floor: ClassVar[int] = 1
+    #: Recipe keys only this unit's parts take -> the :class:`Part` field each fills.
+    recipe_keys: ClassVar[Mapping[str, str]] = {}
 
     # -- what the model holds -------------------------------------------------------------
 
@@ -97,6 +99,10 @@ class Unit(ABC):
     def select(self, model: nn.Module, part, scores, amount, kept: list[int], exact: bool) -> Any:
         """The plan entry of ``part`` (current numbering): ``amount`` items among the layers ``kept``
         (a whole-layer unit: among all layers), lowest ``scores`` first under the part's constraints."""
+
+    def check_amount(self, adapter: HeadAdapter, amount: Any, options: Mapping[str, Any]) -> None:  # noqa: B027
+        """Whether a model (meta weights will do) has the ``amount`` a part asks for, under the part's
+        ``options`` (``mode`` and its :class:`Part` settings); a one-line ``ValueError`` otherwise."""
 
     def select_round(self, model: nn.Module, part, scores, share: int, remaining: int, kept: list[int],
                      start_sizes: list[int]) -> Any:  # fmt: skip

@@ -27,6 +27,7 @@ class HeadsUnit(Unit):
     plural = "heads"
     settings = {"layout": DEFAULT_LAYOUT}
     min_floor = 0
+    recipe_keys = {"layout": "layout", "min_heads_per_layer": "min_per_layer"}
 
     def sizes(self, model: nn.Module) -> list[int]:
         adapter = get_adapter(model)
@@ -71,6 +72,15 @@ class HeadsUnit(Unit):
             [rows[layer] for layer in kept], amount, layouts=[layouts[layer] for layer in kept], exact=exact, **options
         )
         return {kept[i]: h for i, h in chosen.items()}
+
+    def check_amount(self, adapter, amount, options) -> None:
+        layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
+        total = sum(lay.num_heads for lay in layouts)
+        if isinstance(amount, int) and amount > total:
+            raise ValueError(f"{amount} heads requested, the model has {total}")
+        dummy = [[0.0] * lay.num_heads for lay in layouts]
+        select_heads(dummy, amount, layouts=layouts, mode=options["mode"], layout=options.get("layout", DEFAULT_LAYOUT),
+                     min_heads_per_layer=options.get("min_per_layer", 1))  # fmt: skip
 
     def select_round(self, model, part, scores, share, remaining, kept, start_sizes):
         """The smallest valid cut of at least ``share`` heads and at most ``remaining``; ``{}`` if none."""

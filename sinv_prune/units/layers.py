@@ -34,6 +34,11 @@ class LayersUnit(Unit):
     def select_round(self, model, part, scores, share, remaining, kept, start_sizes):
         return self.select(model, part, scores, share, kept, False) if share else []
 
+    def check_amount(self, adapter, amount, options) -> None:
+        layers = adapter.num_layers
+        if isinstance(amount, int) and amount >= layers:
+            raise ValueError(f"{amount} layers requested, the model has {layers} (one must stay)")
+
     def validate(self, model, adapter, entry, *, allow_empty_layers=False):
         return plan_layers(model, adapter, entry or [])
 

@@ -28,6 +28,7 @@ class MlpUnit(Unit):
     noun = "channel"
     plural = "channels"
     settings = {"multiple": 1}
+    recipe_keys = {"multiple": "multiple", "min_channels_per_layer": "min_per_layer"}
 
     def sizes(self, model: nn.Module) -> list[int]:
         adapter = get_adapter(model)
@@ -68,6 +69,17 @@ class MlpUnit(Unit):
             exact=exact,
         )
         return {kept[i]: channels for i, channels in chosen.items()}
+
+    def check_amount(self, adapter, amount, options) -> None:
+        layers = adapter.num_layers
+        total = sum(adapter.intermediate_size(layer) for layer in range(layers))
+        keep = options.get("min_per_layer", 1)
+        most = total - keep * layers
+        if isinstance(amount, int) and amount > most:
+            raise ValueError(
+                f"{amount} MLP channels requested, at most {most} can go "
+                f"({total} in {layers} layers, {keep} kept per layer)"
+            )
 
     def select_round(self, model, part, scores, share, remaining, kept, start_sizes):
         """``share`` channels (or the nearest achievable below; else up to ``remaining``); ``{}`` if none.
