@@ -366,7 +366,8 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
         if part.allocation != "uniform":
             extra.update(allocation=part.allocation, allocation_options=part.allocation_options or None)
         built.append(Part(part.unit, criterion, part.amount, mode=part.mode, seed=part.seed, **extra))
-    return Pruner(built, rounds=arm.rounds, compensate=compensate, compensation_options=options)
+    quiet = run is not None and run.quiet
+    return Pruner(built, rounds=arm.rounds, compensate=compensate, compensation_options=options, quiet=quiet)
 
 
 def stage_score(run: Run) -> None:
@@ -481,7 +482,6 @@ def stage_prune(run: Run) -> None:
             # allocations that measure the model (sensitivity, search): calibration batches, else scoring ones
             measured = any(needs_data(p.allocation) for p in arm.part_specs)
             batches = list(_score_batches(run)) if measured and calibration is None else None
-            pruner.quiet = run.quiet
             summary = pruner.prune(model, batches=batches, calibration=calibration)
             if getattr(pruner, "last_allocation", None):
                 state["allocation"] = pruner.last_allocation
