@@ -7,9 +7,16 @@ registered units (:mod:`sinv_prune.units.registry`) instead of naming them:
 * ``sizes(model)``: how many items each current layer holds (a whole-layer unit: ``[num_layers]``);
 * ``cost(model, layer)``: the parameters one item of ``layer`` holds;
 * ``gates(model)``: one multiplicative gate per item, for gradient criteria and allocation;
-* ``check_part`` / ``check_allocation`` / ``allowed``: how a selection is constrained;
-* ``select``: the items a part removes (layers first, the rest among the layers that stay);
-* ``validate``: a plan entry checked on the model (one-line ``ValueError``), nothing changed.
+* ``settings`` / ``recipe_keys`` / ``check_part`` / ``check_allocation`` / ``allowed`` / ``check_amount``:
+  how a selection is constrained (``Part``, the recipe, allocation groups, preflight);
+* ``select`` / ``select_round``: the items a part removes (layers first, the rest among the layers that stay);
+* ``validate``: a plan entry checked on the model (one-line ``ValueError``), nothing changed;
+* ``cut`` / ``touched`` / ``rechoose`` / ``compensation_cuts``: the cut through the adapter, what the
+  rollback snapshots, what OBS may re-choose and what compensation refits;
+* ``record_cut`` / ``summary_field`` / ``removed`` / ``change`` / ``original_items``: the unit's entry in
+  the pruning record and the summary, and its items in original numbering (rounds).
+
+Whole-layer units (``whole_layers``) are dropped by the removal itself after the per-layer cuts.
 """
 
 from __future__ import annotations
@@ -70,7 +77,9 @@ class Unit(ABC):
             )
         least = 1 if part.min_per_layer is None else _nonnegative(part.min_per_layer, "min_per_layer")
         if least < self.min_floor:
-            raise ValueError(f"min_per_layer must be at least 1 for {self.name!r} (0 would empty the model or an MLP)")
+            raise ValueError(
+                f"min_per_layer must be at least {self.min_floor} for {self.name!r} (0 would empty the model or an MLP)"
+            )
 
     def part_settings(self, part) -> dict[str, Any]:
         """The part's unit-specific settings, for its report."""
