@@ -42,7 +42,8 @@ Plan = dict[str, Any]
 class Part:
     """One unit of a :class:`Pruner`: which criterion scores it, how much goes, and how it is selected.
 
-    ``unit`` is ``"heads"``, ``"mlp"`` (MLP channels) or ``"layers"``. ``criterion`` is a
+    ``unit`` is a registered unit (:mod:`sinv_prune.units`): ``"heads"``, ``"mlp"`` (MLP channels),
+    ``"layers"`` or one added with :func:`~sinv_prune.units.register_unit`. ``criterion`` is a
     registered name (built for ``unit`` with ``criterion_options``; a criterion taking a
     ``seed`` gets the part's ``seed`` unless the options set one) or a
     :class:`~sinv_prune.scoring.criteria.Criterion` instance scoring ``unit``. ``amount`` is an ``int``
@@ -522,7 +523,7 @@ class HeadPruner:
         compensation_options: Mapping[str, Any] | None = None,
     ):
         part = Part(
-            "heads",
+            HEADS.name,
             criterion,
             amount,
             mode=mode,
@@ -558,18 +559,18 @@ class HeadPruner:
     @property
     def last_scores(self) -> Scores | None:
         scores = self._pruner.last_scores
-        return None if scores is None else scores["heads"]
+        return None if scores is None else scores[HEADS.name]
 
     @property
     def last_selection(self) -> dict[int, list[int]] | None:
         plan = self._pruner.last_selection
-        return None if plan is None else plan["heads"]
+        return None if plan is None else plan[HEADS.name]
 
     def score(
         self, model: nn.Module, batches: Iterable[Mapping[str, Any]] | None = None, trace: TraceLike | None = None
     ) -> Scores:
         """The criterion's scores for ``model`` (higher = keep), shaped like ``C_Q``."""
-        return self._pruner.score(model, batches, trace)["heads"]
+        return self._pruner.score(model, batches, trace)[HEADS.name]
 
     def select(
         self,
@@ -580,8 +581,8 @@ class HeadPruner:
         trace: TraceLike | None = None,
     ) -> dict[int, list[int]]:
         """Heads to remove, ``{layer: [heads]}``; scores are computed unless given."""
-        given = None if scores is None else {"heads": scores}
-        return self._pruner.select(model, given, batches=batches, trace=trace)["heads"]
+        given = None if scores is None else {HEADS.name: scores}
+        return self._pruner.select(model, given, batches=batches, trace=trace)[HEADS.name]
 
     def prune(
         self,
