@@ -183,6 +183,9 @@ def prune(
       least one block stays, and a removed block may not also be named under ``"heads"``
       or ``"mlp"``.
 
+    A unit registered with :func:`sinv_prune.units.register_unit` adds its own key; every key is
+    checked by its unit (:mod:`sinv_prune.units`), and an unknown one is refused naming it.
+
     Heads and channels are cut first, then blocks dropped; later layers move down and their
     attention ``layer_idx`` (KV-cache slot), ``config.num_hidden_layers`` / ``n_layer``,
     ``config.layer_types`` and ``max_window_layers`` follow. Invalid plans (unknown keys, bad
