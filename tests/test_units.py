@@ -4,6 +4,7 @@ arm, save and reload."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -81,6 +82,17 @@ def test_a_newer_records_unknown_unit_is_refused_in_one_line():
         PruningRecord.from_json(data)
     assert "pruned_experts" in str(err.value) and "\n" not in str(err.value)
     assert PruningRecord.from_json(_record().to_json()).version == __version__  # a known record still loads
+
+
+def test_a_saved_checkpoint_with_a_newer_records_unit_does_not_load(tmp_path):
+    model = tiny_model("llama")
+    sinv_prune.prune(model, {"mlp": {0: [1]}})
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["sinv_prune"].update(version="99.0.0", pruned_experts={"0": [1]})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"written by sinv_prune 99\.0\.0.*\['pruned_experts'\].*upgrade"):
+        sinv_prune.from_pretrained(tmp_path)
 
 
 # -- no unit-name tests outside sinv_prune/units/ ----------------------------------------------
