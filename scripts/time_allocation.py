@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         options = {"budget": args.budget} if strategy == "search" and args.budget else None
         part = Part("mlp", "activation", {"params": 0.10}, criterion_options={"metric": "magnitude"}, multiple=8,
                     allocation=strategy, allocation_options=options)  # fmt: skip
-        pruner = Pruner([part])
-        pruner.quiet = True
+        pruner = Pruner([part], quiet=True)
         start = time.perf_counter()
         scores = pruner.score(model, batches[:4])
         scored = time.perf_counter()

@@ -14,6 +14,7 @@ from sinv_prune.scoring.selection_units import select_channels, select_layers
 from sinv_prune.surgery.checkpoint import from_pretrained
 from sinv_prune.surgery.removal import PruneSummary, count_parameters, prune, prune_heads
 from sinv_prune.symmetry import ECD, add_symmetry_breaking, build_optimizer, restore_symmetry_breaking
+from sinv_prune.units import Unit, get_unit, register_unit, unit_names
 from sinv_prune.version import __version__
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "from_pretrained",
     "get_adapter",
     "get_criterion",
+    "get_unit",
     "head_gates",
     "head_measures",
     "HeadFreezer",
@@ -44,6 +46,7 @@ __all__ = [
     "PruneSummary",
     "register_adapter",
     "register_criterion",
+    "register_unit",
     "restore_symmetry_breaking",
     "select_channels",
     "select_heads",
@@ -53,4 +56,6 @@ __all__ = [
     "supported_model_types",
     "time_to_threshold",
     "track",
+    "Unit",
+    "unit_names",
 ]

@@ -80,18 +80,20 @@ def read_plan(path: Path) -> dict:
         raise UsageError(f"--plan: {path} is not JSON ({err.msg}, line {err.lineno})") from None
     if not isinstance(plan, dict):
         raise UsageError(f'--plan: {path} must hold a JSON object like {{"heads": {{"0": [1]}}, "layers": [3]}}')
+    from sinv_prune.units import get_unit, unit_names
+
+    unknown = sorted(set(plan) - set(unit_names()))
+    if unknown:
+        raise UsageError(f"--plan: {path}: unknown keys {unknown}; expected {', '.join(unit_names())}")
     try:
         out: dict = {}
-        for key in ("heads", "mlp"):
-            if key in plan:
-                out[key] = {int(k): [int(i) for i in v] for k, v in plan[key].items()}
-        if "layers" in plan:
-            out["layers"] = [int(i) for i in plan["layers"]]
+        for key, value in plan.items():
+            if get_unit(key).whole_layers:
+                out[key] = [int(i) for i in value]
+            else:
+                out[key] = {int(k): [int(i) for i in v] for k, v in value.items()}
     except (ValueError, TypeError, AttributeError):
         raise UsageError(f"--plan: {path}: indices must be integers, layers keyed by their number") from None
-    unknown = sorted(set(plan) - {"heads", "mlp", "layers"})
-    if unknown:
-        raise UsageError(f"--plan: {path}: unknown keys {unknown}; expected heads, mlp, layers")
     return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from sinv_prune.arch.base import HeadAdapter, HeadLayout
 from sinv_prune.pipeline.recipe import Recipe, RecipeError, first_line
 from sinv_prune.pipeline.starting_model import is_masked_lm, meta_adapter
+from sinv_prune.units import get_unit
 
 
 def check_compensation(recipe: Recipe, adapter: HeadAdapter) -> None:
@@ -106,10 +107,13 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
         units = getattr(criterion_class(part.criterion), "units", ("heads",))
         if part.unit not in units:
             raise RecipeError(f"{where}.unit: criterion {part.criterion!r} scores {', '.join(units)}, not {part.unit}")
-        if part.unit == "heads" and part.min_heads_per_layer == 0 and not recipe.prune.allow_empty_layers:
+        kind = get_unit(part.unit)
+        floor = next((key for key, field in kind.recipe_keys.items() if field == "min_per_layer"), None)
+        empties = kind.min_floor == 0 and floor is not None and getattr(part, floor) == 0
+        if empties and not recipe.prune.allow_empty_layers:
             raise RecipeError(
-                f"{where}.min_heads_per_layer: 0 lets layers lose every head; "
-                "set prune.allow_empty_layers: true to allow that (or keep min_heads_per_layer >= 1)"
+                f"{where}.{floor}: 0 lets layers lose every {kind.noun}; "
+                f"set prune.allow_empty_layers: true to allow that (or keep {floor} >= 1)"
             )
     for i, name in enumerate(recipe.score.criteria):
         _check_criterion(criterion_class, name, f"score.criteria[{i}]")
@@ -122,46 +126,20 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     check_export(recipe, adapter)
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
     for where, part in arm_parts(recipe):
-        check_amount(part, adapter, layouts, f"{where}.amount")
+        check_amount(part, adapter, f"{where}.amount")
     return layouts
 
 
-def check_amount(part, adapter: HeadAdapter, layouts: list[HeadLayout], where: str) -> None:
+def check_amount(part, adapter: HeadAdapter, where: str) -> None:
     """Whether the starting model has what ``part`` asks to remove (from its config: meta weights)."""
-    from sinv_prune.scoring.selection import select_heads
-
-    amount, layers = part.amount, adapter.num_layers
+    amount = part.amount
     if isinstance(amount, dict) or part.allocation != "uniform":
         amount = _check_params_amount(part, adapter, where)
         if amount is None:
             return
-    if part.unit == "layers":
-        if isinstance(amount, int) and amount >= layers:
-            raise RecipeError(f"{where}: {amount} layers requested, the model has {layers} (one must stay)")
-        return
-    if part.unit == "mlp":
-        total = sum(adapter.intermediate_size(layer) for layer in range(layers))
-        keep = part.min_channels_per_layer if part.min_channels_per_layer is not None else 1
-        most = total - keep * layers
-        if isinstance(amount, int) and amount > most:
-            raise RecipeError(
-                f"{where}: {amount} MLP channels requested, at most {most} can go "
-                f"({total} in {layers} layers, {keep} kept per layer)"
-            )
-        return
-    total = sum(lay.num_heads for lay in layouts)
-    if isinstance(amount, int) and amount > total:
-        raise RecipeError(f"{where}: {amount} heads requested, the model has {total}")
-    dummy = [[0.0] * lay.num_heads for lay in layouts]
+    options = {"mode": part.mode, **part.part_options()}
     try:
-        select_heads(
-            dummy,
-            amount,
-            layouts=layouts,
-            mode=part.mode,
-            layout=part.layout,
-            min_heads_per_layer=part.min_heads_per_layer,
-        )
+        get_unit(part.unit).check_amount(adapter, amount, options)
     except ValueError as err:
         raise RecipeError(f"{where}: {first_line(err)}") from None
 
@@ -176,8 +154,9 @@ def _check_params_amount(part, adapter: HeadAdapter, where: str) -> int | None:
 
     model, layers = adapter.model, list(range(adapter.num_layers))
     budget = _Budget(model)
-    if part.unit == "layers":
-        count = budget.layers(part.amount, layers)
+    kind = get_unit(part.unit)
+    if kind.whole_layers:
+        count = budget.units(part.amount, part.unit, layers)
         if count >= len(layers):
             raise RecipeError(f"{where}: {count} layers requested, the model has {len(layers)} (one must stay)")
         if count == 0:
@@ -188,12 +167,11 @@ def _check_params_amount(part, adapter: HeadAdapter, where: str) -> int | None:
         if count == 0:
             raise RecipeError(f"{where}: {part.amount['params']:g} of the parameters is less than one {part.unit} unit")
         return count
-    heads = part.unit == "heads"
-    sizes = [adapter.layout(i).num_heads if heads else adapter.intermediate_size(i) for i in layers]
-    least = part.min_heads_per_layer if heads else part.min_channels_per_layer
+    sizes, options = kind.sizes(model), part.part_options()
     try:
-        groups = groups_for(model, part.unit, [[0.0] * n for n in sizes], layers, min_per_layer=least,
-                            multiple=part.multiple or 1, shape=part.layout)  # fmt: skip
+        groups = groups_for(model, part.unit, [[0.0] * n for n in sizes], layers,
+                            min_per_layer=options.get("min_per_layer"), multiple=options.get("multiple", 1),
+                            shape=part.layout)  # fmt: skip
         target = budget.params(part.amount, part.unit, layers)
     except ValueError as err:
         raise RecipeError(f"{where}: {first_line(err)}") from None

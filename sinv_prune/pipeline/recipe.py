@@ -26,6 +26,10 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from sinv_prune.units import get_unit, unit_names
+from sinv_prune.units import units as registered_units
+from sinv_prune.units.heads import HEADS
+
 SCRATCH_ARCHITECTURES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -386,8 +390,8 @@ class CompensateSpec(Strict):
         return options
 
 
-#: What an arm can remove: attention heads, MLP channels (of the intermediate layer) or whole layers.
-UNITS = ("heads", "mlp", "layers")
+#: What an arm removes unless it says: attention heads (any registered unit may be named, see :mod:`sinv_prune.units`).
+DEFAULT_UNIT = HEADS.name
 #: The keys that say what one part removes (an arm gives them itself, or as a list in ``parts``).
 PART_KEYS = (
     "criterion",
@@ -403,8 +407,6 @@ PART_KEYS = (
     "allocation",
     "allocation_options",
 )
-_HEADS_ONLY = ("layout", "min_heads_per_layer")
-_MLP_ONLY = ("multiple", "min_channels_per_layer")
 
 
 def _given(model: BaseModel, keys: tuple[str, ...]) -> list[str]:
@@ -416,6 +418,15 @@ def _given(model: BaseModel, keys: tuple[str, ...]) -> list[str]:
 #: How a part's cut is spread over layers: ``uniform`` (the ``mode`` decides) or a strategy registered in
 #: :mod:`sinv_prune.scoring.allocation` (checked against its registry when the recipe is validated).
 Allocation = str
+
+
+def _registered_unit(v: str) -> str:
+    """A registered unit's name; else the one-line error naming the unknown one and the known."""
+    names = unit_names()
+    if v not in names:
+        known = ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}" if len(names) > 1 else repr(names[0])
+        raise ValueError(f"Input should be {known} (a registered unit), got unknown unit {v!r}")
+    return v
 
 
 def _positive_amount(v):
@@ -445,7 +456,7 @@ class PartSpec(Strict):
 
     criterion: str
     options: dict[str, Any] = Field(default_factory=dict)
-    unit: Literal["heads", "mlp", "layers"] = "heads"
+    unit: str = DEFAULT_UNIT
     amount: dict[str, float] | float | int
     mode: Literal["global", "per_layer", "uniform"] = "global"
     layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
@@ -457,26 +468,33 @@ class PartSpec(Strict):
     allocation_options: dict[str, Any] = Field(default_factory=dict)
 
     _positive = field_validator("amount")(_positive_amount)
+    _unit = field_validator("unit")(_registered_unit)
 
     @model_validator(mode="after")
     def _keys_fit_the_unit(self):
-        if self.unit != "heads" and _given(self, _HEADS_ONLY):
-            raise ValueError(f"{_given(self, _HEADS_ONLY)[0]!r} is for unit heads only, not {self.unit}")
-        if self.unit != "mlp" and _given(self, _MLP_ONLY):
-            raise ValueError(f"{_given(self, _MLP_ONLY)[0]!r} is for unit mlp only, not {self.unit}")
-        if self.unit == "layers" and self.mode != "global":
-            raise ValueError(f"unit layers takes mode 'global' only, not {self.mode!r}")
+        kind = get_unit(self.unit)
+        for other in registered_units():
+            if other is not kind and _given(self, tuple(other.recipe_keys)):
+                raise ValueError(f"{_given(self, tuple(other.recipe_keys))[0]!r} is for unit {other.name} only, "
+                                 f"not {self.unit}")  # fmt: skip
+        if kind.whole_layers and self.mode != "global":
+            raise ValueError(f"unit {self.unit} takes mode 'global' only, not {self.mode!r}")
         _check_allocation(self)
         return self
+
+    def part_options(self) -> dict[str, Any]:
+        """The :class:`sinv_prune.Part` settings this part's unit-specific keys give (None: left at the default)."""
+        keys = get_unit(self.unit).recipe_keys
+        return {field: getattr(self, key) for key, field in keys.items() if getattr(self, key) is not None}
 
     def label(self, with_unit: bool = False) -> str:
         """``criterion[-unit]-amount-mode[-layout]``; the unit is named unless it is heads (or ``with_unit``).
 
         A ``{params: f}`` amount reads ``p<f>``; a non-uniform allocation replaces the mode.
         """
-        unit = f"-{self.unit}" if with_unit or self.unit != "heads" else ""
+        unit = f"-{self.unit}" if with_unit or self.unit != DEFAULT_UNIT else ""
         default = type(self).model_fields["layout"].default
-        layout = "" if self.unit != "heads" or self.layout == default else f"-{self.layout}"
+        layout = "" if "layout" not in get_unit(self.unit).recipe_keys or self.layout == default else f"-{self.layout}"
         amount = f"p{self.amount['params']:g}" if isinstance(self.amount, dict) else self.amount
         spread = self.mode if self.allocation == "uniform" else self.allocation
         return f"{self.criterion}{unit}-{amount}-{spread}{layout}"
@@ -528,7 +546,7 @@ class ArmSpec(Strict):
     name: str | None = None
     criterion: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
-    unit: Literal["heads", "mlp", "layers"] = "heads"
+    unit: str = DEFAULT_UNIT
     amount: dict[str, float] | float | int | None = None
     mode: Literal["global", "per_layer", "uniform"] = "global"
     layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
@@ -541,6 +559,8 @@ class ArmSpec(Strict):
     parts: list[PartSpec] | None = Field(None, min_length=1)
     compensate: CompensateSpec | None = None
     rounds: int = Field(1, ge=1)
+
+    _unit = field_validator("unit")(_registered_unit)
 
     @field_validator("amount")
     @classmethod
@@ -590,7 +610,7 @@ class ArmSpec(Strict):
     @property
     def heads_only(self) -> bool:
         """A single-part heads arm (what :class:`sinv_prune.HeadPruner` runs)."""
-        return self.parts is None and self.unit == "heads"
+        return self.parts is None and get_unit(self.unit) is HEADS
 
     @property
     def criterion_names(self) -> str:

@@ -9,6 +9,7 @@ from sinv_prune.pipeline.recipe import Recipe
 from sinv_prune.pipeline.report_tasks import generation_lines, plot_accuracy_vs_params, task_lines
 from sinv_prune.pipeline.rundir import write_json, write_text
 from sinv_prune.strict_json import with_null_reasons
+from sinv_prune.units import get_unit, unit_names
 
 logger = logging.getLogger("sinv_prune")
 
@@ -93,7 +94,8 @@ def _accuracy(value: float | None) -> str | None:
 
 def removed_text(counts: dict) -> str:
     """``"4 heads"``, ``"4 heads + 96 channels"``: what an arm removed (from its state or results row)."""
-    counted = [(counts.get(f"{what}_removed"), what) for what in ("heads", "channels", "layers")]
+    plurals = [get_unit(name).plural for name in unit_names()]  # heads, channels, ..., layers
+    counted = [(counts.get(f"{what}_removed"), what) for what in plurals]
     return " + ".join(f"{n:,} {what}" for n, what in counted if n) or "nothing"
 
 

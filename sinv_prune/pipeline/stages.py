@@ -45,7 +45,7 @@ from sinv_prune.pipeline.model_settings import (
 )
 from sinv_prune.pipeline.preflight import preflight
 from sinv_prune.pipeline.ranks import Ranks
-from sinv_prune.pipeline.recipe import ArmSpec, PartSpec, Recipe, recipe_to_yaml
+from sinv_prune.pipeline.recipe import DEFAULT_UNIT, ArmSpec, PartSpec, Recipe, recipe_to_yaml
 from sinv_prune.pipeline.report import removed_text, write_report
 from sinv_prune.pipeline.rundir import RunDir, write_dir, write_json, write_text
 from sinv_prune.pipeline.starting_model import build_model, is_masked_lm
@@ -59,6 +59,7 @@ from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
 from sinv_prune.strict_json import with_null_reasons
 from sinv_prune.surgery.checkpoint import from_pretrained
 from sinv_prune.surgery.removal import count_parameters
+from sinv_prune.units import get_unit
 
 logger = logging.getLogger("sinv_prune")
 #: ``extra=`` of the log lines the console shows at default verbosity (one per finished stage or arm);
@@ -318,7 +319,7 @@ def criterion_key(arm: ArmSpec | PartSpec | str) -> str:
     if isinstance(arm, str):
         return arm
     part = arm.part_specs[0] if isinstance(arm, ArmSpec) else arm
-    unit = "" if part.unit == "heads" else f"@{part.unit}"
+    unit = "" if part.unit == DEFAULT_UNIT else f"@{part.unit}"
     opts = ",".join(f"{k}={v}" for k, v in sorted(part.options.items()))
     return f"{part.criterion}{unit}({opts})" if opts else f"{part.criterion}{unit}"
 
@@ -329,7 +330,7 @@ def part_criterion(part: PartSpec) -> Criterion:
     options = dict(part.options)
     if "seed" in inspect.signature(cls).parameters:
         options.setdefault("seed", part.seed)
-    if part.unit != "heads":
+    if part.unit != DEFAULT_UNIT:
         options["unit"] = part.unit
     return get_criterion(part.criterion, **options)
 
@@ -361,18 +362,12 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
         )
     built = []
     for part, criterion in zip(parts, criteria, strict=True):
-        extra: dict[str, Any] = {}
-        if part.unit == "heads":
-            extra.update(layout=part.layout, min_per_layer=part.min_heads_per_layer)
-        elif part.unit == "mlp":
-            if part.multiple is not None:
-                extra["multiple"] = part.multiple
-            if part.min_channels_per_layer is not None:
-                extra["min_per_layer"] = part.min_channels_per_layer
+        extra: dict[str, Any] = part.part_options()
         if part.allocation != "uniform":
             extra.update(allocation=part.allocation, allocation_options=part.allocation_options or None)
         built.append(Part(part.unit, criterion, part.amount, mode=part.mode, seed=part.seed, **extra))
-    return Pruner(built, rounds=arm.rounds, compensate=compensate, compensation_options=options)
+    quiet = run is not None and run.quiet
+    return Pruner(built, rounds=arm.rounds, compensate=compensate, compensation_options=options, quiet=quiet)
 
 
 def stage_score(run: Run) -> None:
@@ -487,7 +482,6 @@ def stage_prune(run: Run) -> None:
             # allocations that measure the model (sensitivity, search): calibration batches, else scoring ones
             measured = any(needs_data(p.allocation) for p in arm.part_specs)
             batches = list(_score_batches(run)) if measured and calibration is None else None
-            pruner.quiet = run.quiet
             summary = pruner.prune(model, batches=batches, calibration=calibration)
             if getattr(pruner, "last_allocation", None):
                 state["allocation"] = pruner.last_allocation
@@ -744,7 +738,7 @@ def _arm_fields(arm: ArmSpec) -> dict[str, Any]:
         "amount": one.amount if one else None,
         "mode": one.mode if one else None,
         "allocation_strategy": one.allocation if one else None,
-        "layout": one.layout if one and one.unit == "heads" else None,
+        "layout": one.layout if one and "layout" in get_unit(one.unit).recipe_keys else None,
         "seed": one.seed if one else None,
     }
 

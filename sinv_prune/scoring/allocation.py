@@ -46,25 +46,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from sinv_prune.arch import HeadLayout, get_adapter
+from sinv_prune.arch import get_adapter
 from sinv_prune.progress import bar
-from sinv_prune.scoring.gates import channel_gates, head_gates
-from sinv_prune.scoring.selection import _configs, select_heads
-from sinv_prune.scoring.selection_units import _removals, quarter, standardize
+from sinv_prune.scoring.selection_units import standardize
+from sinv_prune.units import get_unit
+from sinv_prune.units.heads import head_cost  # noqa: F401  (re-exported: callers import the costs from here)
+from sinv_prune.units.mlp import channel_cost  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Group:
-    """One unit kind (``heads`` or ``mlp``) of one layer (current numbering)."""
+    """One unit kind (a per-layer unit: ``heads``, ``mlp``, ...) of one layer (current numbering)."""
 
     unit: str
     layer: int
     scores: list[float]
     cost: int  # parameters one unit holds
     allowed: list[int]  # removal counts the constraints allow, ascending, 0 first
-    layout: HeadLayout | None = None  # heads
+    layout: Any = None  # what the unit's pick needs of the layer (heads: its HeadLayout)
     shape: str = "q_per_group"  # heads: the part's GQA layout
     seed: int = 0
 
@@ -73,13 +74,7 @@ class Group:
         scores = list(self.scores if scores is None else scores)
         if count == 0:
             return []
-        if self.unit == "heads":
-            chosen = select_heads([scores], count, layouts=[self.layout], layout=self.shape, min_heads_per_layer=0,
-                                  seed=self.seed + self.layer, exact=True)  # fmt: skip
-            return chosen.get(0, [])
-        tie = list(range(len(scores)))
-        random.Random(self.seed + self.layer).shuffle(tie)
-        return sorted(sorted(range(len(scores)), key=lambda j: (scores[j], tie[j]))[:count])
+        return get_unit(self.unit).pick(scores, count, self.layer, self.seed, self.layout, self.shape)
 
 
 @dataclass
@@ -209,32 +204,6 @@ def non_embedding_parameters(model: nn.Module) -> int:
     return sum(total.values()) - sum(n for k, n in seen.items() if k in total)
 
 
-def channel_cost(model: nn.Module, layer: int) -> int:
-    """Parameters one MLP channel of ``layer`` holds: its rows (and biases) in gate / up, its down column."""
-    adapter = get_adapter(model)
-    width = adapter.intermediate_size(layer)
-    rows = sum(p.numel() for m in adapter.mlp_in(layer) for p in m.parameters())
-    out = adapter.mlp_out(layer).weight.numel()
-    return (rows + out) // width if width else 0
-
-
-def head_cost(model: nn.Module, layer: int) -> int:
-    """Parameters one query head of ``layer`` holds with its KV head kept: its q rows (+ bias) and o columns."""
-    adapter = get_adapter(model)
-    lay = adapter.layout(layer)
-    if not lay.num_heads:
-        return 0
-    proj = adapter.projections(layer)
-    bias = proj.q_bias.numel() if proj.q_bias is not None else 0
-    return (proj.q.numel() + proj.o.numel() + bias) // lay.num_heads
-
-
-def head_removals(layout: HeadLayout, min_heads: int, shape: str) -> list[int]:
-    """Head counts a layer may lose under ``shape`` (q_per_group keeps every KV head, so cost per head is fixed)."""
-    configs = _configs(list(range(layout.num_heads)), layout, min_heads, shape)
-    return sorted({layout.num_heads - s * c for s, c in configs})
-
-
 # -- the entry point ----------------------------------------------------------------------
 
 
@@ -359,12 +328,10 @@ def block_damage(model: nn.Module, groups: Sequence[Group], batches: Sequence[Ma
     was_training = model.training
     model.eval()
     try:
-        with (
-            torch.no_grad(),
-            head_gates(model, requires_grad=False) as hg,
-            channel_gates(model, requires_grad=False) as cg,
-        ):
-            gates = {"heads": hg, "mlp": cg}
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            gates = {
+                name: stack.enter_context(get_unit(name).gates(model, requires_grad=False)) for name in _kinds(groups)
+            }
             inputs = capture_block_inputs(model, adapter, batches, holdout=0)
             hidden = [inp.hidden for inp in inputs]
             blocks = adapter.layers()
@@ -510,8 +477,8 @@ class KLFitness:
             stack.callback(self.model.train, self.model.training)
             self.model.eval()
             self.gates = {
-                "heads": stack.enter_context(head_gates(self.model, requires_grad=False)),
-                "mlp": stack.enter_context(channel_gates(self.model, requires_grad=False)),
+                name: stack.enter_context(get_unit(name).gates(self.model, requires_grad=False))
+                for name in _kinds(self.groups)
             }
             with torch.no_grad():
                 self.reference = [torch.log_softmax(self._logits(b).float(), -1) for b in self.batches]
@@ -561,26 +528,17 @@ def groups_for(
     seed: int = 0,
 ) -> list[Group]:
     """The :class:`Group` s of one part over the current ``layers`` (scores: one row per current layer)."""
-    adapter = get_adapter(model)
+    kind = get_unit(unit)
     out = []
     for layer in layers:
         row = [float(x) for x in scores[layer]]
-        if unit == "heads":
-            lay = adapter.layout(layer)
-            if len(row) != lay.num_heads:
-                raise ValueError(f"layer {layer}: {len(row)} scores for {lay.num_heads} heads")
-            if shape != "q_per_group" and lay.group_size > 1:
-                raise ValueError(f"a non-uniform allocation needs layout 'q_per_group' for heads, got {shape!r}")
-            least = 1 if min_per_layer is None else min_per_layer
-            allowed = head_removals(lay, least, shape)
-            out.append(Group("heads", layer, row, head_cost(model, layer), allowed, lay, shape, seed))
-        else:
-            width = adapter.intermediate_size(layer)
-            if len(row) != width:
-                raise ValueError(f"layer {layer}: {len(row)} scores for {width} channels")
-            least = quarter(width) if min_per_layer is None else min_per_layer
-            allowed = _removals(width, least, multiple)
-            out.append(Group("mlp", layer, row, channel_cost(model, layer), allowed, seed=seed))
+        allowed, layout = kind.allowed(model, layer, row, min_per_layer, multiple, shape)
+        out.append(Group(unit, layer, row, kind.cost(model, layer), allowed, layout, shape, seed))
         if any(math.isnan(x) for x in row):
             raise ValueError(f"layer {layer}: NaN scores cannot be ranked")
     return out
+
+
+def _kinds(groups: Sequence[Group]) -> list[str]:
+    """The unit kinds among ``groups``, in order of appearance (the gates to open)."""
+    return list(dict.fromkeys(g.unit for g in groups))

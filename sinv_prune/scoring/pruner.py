@@ -18,32 +18,16 @@ from typing import Any
 from torch import nn
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.log_level import log_level
-from sinv_prune.scoring.allocation import (
-    Context,
-    allocate,
-    channel_cost,
-    check_allocation,
-    groups_for,
-    head_cost,
-    non_embedding_parameters,
-)
+from sinv_prune.scoring.allocation import Context, allocate, check_allocation, groups_for, non_embedding_parameters
 from sinv_prune.scoring.criteria import Criterion, Scores, TraceLike, criterion_class, get_criterion
-from sinv_prune.scoring.criteria.base import UNITS, channel_counts
-from sinv_prune.scoring.selection import (
-    DEFAULT_LAYOUT,
-    MODES,
-    _count,
-    _nonnegative,
-    check_layout,
-    model_layouts,
-    select_heads,
-)
-from sinv_prune.scoring.selection_units import quarter, select_channels, select_layers
+from sinv_prune.scoring.selection import DEFAULT_LAYOUT, MODES, _count, check_layout
 from sinv_prune.surgery import compensation
 from sinv_prune.surgery import removal as surgery
 from sinv_prune.surgery.record import get_record
-from sinv_prune.surgery.removal import LayerChange, MlpChange, PruneSummary, count_parameters, prune_heads
+from sinv_prune.surgery.removal import PruneSummary, count_parameters
+from sinv_prune.units import get_unit, units
+from sinv_prune.units.base import score_rows
+from sinv_prune.units.heads import HEADS
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +42,8 @@ Plan = dict[str, Any]
 class Part:
     """One unit of a :class:`Pruner`: which criterion scores it, how much goes, and how it is selected.
 
-    ``unit`` is ``"heads"``, ``"mlp"`` (MLP channels) or ``"layers"``. ``criterion`` is a
+    ``unit`` is a registered unit (:mod:`sinv_prune.units`): ``"heads"``, ``"mlp"`` (MLP channels),
+    ``"layers"`` or one added with :func:`~sinv_prune.units.register_unit`. ``criterion`` is a
     registered name (built for ``unit`` with ``criterion_options``; a criterion taking a
     ``seed`` gets the part's ``seed`` unless the options set one) or a
     :class:`~sinv_prune.scoring.criteria.Criterion` instance scoring ``unit``. ``amount`` is an ``int``
@@ -88,8 +73,7 @@ class Part:
     allocation_options: Mapping[str, Any] | None = None
 
     def __post_init__(self):
-        if self.unit not in UNITS:
-            raise ValueError(f"unknown unit {self.unit!r}; choose one of {', '.join(UNITS)}")
+        kind = get_unit(self.unit)
         if self.mode not in MODES:
             raise ValueError(f"unknown selection mode {self.mode!r}; choose one of {', '.join(MODES)}")
         check_layout(self.layout)
@@ -99,17 +83,11 @@ class Part:
             self._check_allocation(self.allocation)
         elif self.allocation_options:
             raise ValueError("allocation_options need an allocation")
-        if self.unit != "heads" and self.layout != DEFAULT_LAYOUT:
-            raise ValueError(f"layout applies to heads parts only, not {self.unit!r}")
-        if self.unit != "mlp" and self.multiple != 1:
-            raise ValueError(f"multiple applies to mlp parts only, not {self.unit!r}")
-        if self.unit == "layers" and self.mode != "global":
-            raise ValueError(f"a layers part has one score per layer; its mode must be 'global', got {self.mode!r}")
-        least = 1 if self.min_per_layer is None else _nonnegative(self.min_per_layer, "min_per_layer")
-        if self.unit != "heads" and least < 1:
-            raise ValueError(f"min_per_layer must be at least 1 for {self.unit!r} (0 would empty the model or an MLP)")
-        if self.unit == "mlp" and (isinstance(self.multiple, bool) or _nonnegative(self.multiple, "multiple") < 1):
-            raise ValueError(f"multiple must be a positive integer, got {self.multiple!r}")
+        for key, default in unit_settings().items():
+            if key not in kind.settings and getattr(self, key) != default:
+                owners = " or ".join(u.name for u in units() if key in u.settings)
+                raise ValueError(f"{key} applies to {owners} parts only, not {self.unit!r}")
+        kind.check_part(self)
         if isinstance(self.criterion, str):
             options = dict(self.criterion_options or {})
             if "seed" in inspect.signature(criterion_class(self.criterion)).parameters:
@@ -128,6 +106,11 @@ class Part:
     def _check_allocation(self, allocation: str) -> None:
         check_part_allocation(self.unit, self.mode, self.layout, allocation)
 
+    @property
+    def kind(self):
+        """The part's :class:`~sinv_prune.units.base.Unit`."""
+        return get_unit(self.unit)
+
     def report(self) -> dict:
         """The part's settings and its criterion's report (JSON-serialisable)."""
         out = {
@@ -143,10 +126,7 @@ class Part:
         }
         if self.allocation_options:
             out["allocation_options"] = dict(self.allocation_options)
-        if self.unit == "heads":
-            out["layout"] = self.layout
-        if self.unit == "mlp":
-            out["multiple"] = self.multiple
+        out.update(self.kind.part_settings(self))
         return out
 
 
@@ -193,6 +173,7 @@ class Pruner:
         compensation_options: Mapping[str, Any] | None = None,
         allow_empty_layers: bool | None = None,
         allocation: str | None = None,
+        quiet: bool = False,
     ):
         parts = list(parts) if isinstance(parts, Sequence) and not isinstance(parts, str) else None
         if not parts:
@@ -200,14 +181,15 @@ class Pruner:
         for part in parts:
             if not isinstance(part, Part):
                 raise ValueError(f"parts must be Part instances, got {type(part).__name__}")
-        units = [p.unit for p in parts]
-        if len(set(units)) != len(units):
-            raise ValueError(f"one part per unit; got units {units}")
-        self.parts = sorted(parts, key=lambda p: UNITS.index(p.unit) if p.unit != "layers" else -1)
+        named = [p.unit for p in parts]
+        if len(set(named)) != len(named):
+            raise ValueError(f"one part per unit; got units {named}")
+        order = [u.name for u in units()]  # whole layers first
+        self.parts = sorted(parts, key=lambda p: order.index(p.unit))
         if allocation is not None:
             check_allocation(allocation)
             for part in parts:
-                if part.allocation is None and part.unit != "layers":
+                if part.allocation is None and not part.kind.whole_layers:
                     part._check_allocation(allocation)
         self.allocation = allocation
         self.rounds = _rounds(rounds)
@@ -220,19 +202,18 @@ class Pruner:
             raise ValueError(f"unknown compensation {compensate!r}; choose one of {', '.join(compensation.METHODS)}")
         self.compensate = compensate
         self.compensation_options = dict(compensation_options or {})
-        heads = self.part("heads")
-        if allow_empty_layers is None:
-            allow_empty_layers = heads is not None and heads.min_per_layer == 0  # None: the default, 1
+        if allow_empty_layers is None:  # a part that lets layers lose every item (heads: min_per_layer 0)
+            allow_empty_layers = any(p.min_per_layer == 0 for p in self.parts)
         self.allow_empty_layers = bool(allow_empty_layers)
         self.last_scores: dict[str, Scores] | None = None
         self.last_selection: Plan | None = None
         self.last_rounds: list[dict] = []
         self.last_allocation: list[dict] = []
-        self.quiet = False
+        self.quiet = bool(quiet)
 
     def allocation_of(self, part: Part) -> str:
         """The part's allocation: its own, else the pruner's, else ``uniform`` (layers: always ``uniform``)."""
-        if part.unit == "layers":
+        if part.kind.whole_layers:
             return "uniform"
         return part.allocation or self.allocation or "uniform"
 
@@ -279,43 +260,24 @@ class Pruner:
         adapter = get_adapter(model)
         kept = list(range(adapter.num_layers))
         budget = _Budget(model)
-        layers = self.part("layers")
-        if layers is not None:
-            plan["layers"] = select_layers(
-                _layer_scores(scores["layers"], len(kept)),
-                budget.layers(layers.amount, kept),
-                min_layers=layers.min_per_layer or 1,
-                seed=layers.seed,
-            )
-            kept = [layer for layer in kept if layer not in plan["layers"]]
+        for part in self.parts:  # whole layers first: the other units are selected among the layers that stay
+            if part.kind.whole_layers:
+                amount = budget.units(part.amount, part.unit, kept)
+                plan[part.unit] = part.kind.select(model, part, scores[part.unit], amount, kept, False)
+                kept = [layer for layer in kept if layer not in plan[part.unit]]
         pools: dict[str, list[Part]] = {}
         for part in self.parts:
-            if part.unit != "layers" and self.allocation_of(part) != "uniform":
+            if not part.kind.whole_layers and self.allocation_of(part) != "uniform":
                 pools.setdefault(self.allocation_of(part), []).append(part)
-        heads = self.part("heads")
-        if heads is not None and self.allocation_of(heads) == "uniform":
-            amount = budget.units(heads.amount, "heads", kept)
-            plan["heads"] = self._select_heads(model, scores["heads"], amount, heads.exact, kept)
-        mlp = self.part("mlp")
-        if mlp is not None and self.allocation_of(mlp) == "uniform":
-            rows = _per_layer(scores["mlp"], adapter.num_layers, "mlp")
-            sizes = channel_counts(model)
-            chosen = select_channels(
-                [sizes[layer] for layer in kept],
-                [rows[layer] for layer in kept],
-                budget.units(mlp.amount, "mlp", kept),
-                mode=mlp.mode,
-                min_channels_per_layer=mlp.min_per_layer,
-                multiple=mlp.multiple,
-                seed=mlp.seed,
-                exact=mlp.exact,
-            )
-            plan["mlp"] = {kept[i]: channels for i, channels in chosen.items()}
+        for part in self.parts:
+            if not part.kind.whole_layers and self.allocation_of(part) == "uniform":
+                amount = budget.units(part.amount, part.unit, kept)
+                plan[part.unit] = part.kind.select(model, part, scores[part.unit], amount, kept, part.exact)
         self.last_allocation = []
         for strategy, parts in pools.items():
             groups, target = [], 0
             for part in parts:
-                rows = _per_layer(scores[part.unit], adapter.num_layers, part.unit)
+                rows = score_rows(scores[part.unit], adapter.num_layers, part.unit)
                 groups += groups_for(model, part.unit, rows, kept, min_per_layer=part.min_per_layer,
                                      multiple=part.multiple, shape=part.layout, seed=part.seed)  # fmt: skip
                 target += budget.params(part.amount, part.unit, kept)
@@ -331,24 +293,8 @@ class Pruner:
             for part in parts:
                 plan.setdefault(part.unit, {})
             self.last_allocation.append({"units": [p.unit for p in parts], **decided.to_dict(groups)})
-        self.last_selection = {unit: plan[unit] for unit in ("layers", "heads", "mlp") if unit in plan}
+        self.last_selection = {unit.name: plan[unit.name] for unit in units() if unit.name in plan}
         return self.last_selection
-
-    def _select_heads(
-        self, model: nn.Module, scores: Scores, amount: int | float, exact: bool, kept: list[int] | None = None
-    ) -> dict[int, list[int]]:
-        """The heads part's selection, among the layers ``kept`` (all when ``None``)."""
-        part = self.part("heads")
-        layouts = model_layouts(model)
-        least = 1 if part.min_per_layer is None else part.min_per_layer
-        options = dict(mode=part.mode, layout=part.layout, min_heads_per_layer=least, seed=part.seed)
-        if kept is None or len(kept) == len(layouts):
-            return select_heads(scores, amount, layouts=layouts, exact=exact, **options)
-        rows = _per_layer(scores, len(layouts), "heads")
-        chosen = select_heads(
-            [rows[layer] for layer in kept], amount, layouts=[layouts[layer] for layer in kept], exact=exact, **options
-        )
-        return {kept[i]: h for i, h in chosen.items()}
 
     def prune(
         self,
@@ -375,17 +321,18 @@ class Pruner:
         start = Geometry.of(model, self._units)
         plan = self.select(model, batches=batches, trace=trace, calibration=calibration)  # raises before any change
         if any(plan.values()):
-            summary = _apply(model, plan, **removal)
+            summary = surgery.prune(model, plan, **removal)
         else:
             params = count_parameters(model)
             summary = PruneSummary([], params, params)
-        self.last_selection = {unit: _summary_plan(summary)[unit] for unit in self._units}
+        self.last_selection = _summary_plan(summary, self._units)
         self.last_rounds = [self._round_entry(0, _plan_counts(plan), summary, start)]
         return summary
 
     @property
     def heads_only(self) -> bool:
-        return [p.unit for p in self.parts] == ["heads"]
+        """One heads part: rounds report in the heads-only shape (``HeadPruner``'s)."""
+        return len(self.parts) == 1 and self.parts[0].kind is HEADS
 
     def _prune_rounds(self, model, batches, trace, calibration, removal) -> PruneSummary:
         """In ``rounds`` rounds to the one-shot plan's totals (see the class docstring)."""
@@ -415,14 +362,14 @@ class Pruner:
             if not any(plan.values()):
                 logger.warning("sinv_prune: round %d can remove none of the %s left; stopping", index, requested)
                 break
-            summaries.append(_apply(model, plan, **removal))
+            summaries.append(surgery.prune(model, plan, **removal))
             self.last_rounds.append(self._round_entry(index, requested, summaries[-1], before))
         short = self._left(model, start, totals) if self.rounds > 1 else {}
         if short:
             logger.warning("sinv_prune: %d rounds left %s of the one-shot totals %s uncut (granularity)",
                            self.rounds, short, totals)  # fmt: skip
         summary = _combine(model, summaries, start)
-        self.last_selection = {unit: _summary_plan(summary)[unit] for unit in self._units}
+        self.last_selection = _summary_plan(summary, self._units)
         return summary
 
     def _left(self, model: nn.Module, start: Geometry, totals: dict) -> dict[str, int]:
@@ -433,7 +380,8 @@ class Pruner:
 
     @property
     def _units(self) -> list[str]:
-        return [unit for unit in ("layers", "heads", "mlp") if self.part(unit) is not None]
+        """The parts' units, whole layers first."""
+        return [p.unit for p in self.parts]
 
     def _round_plan(
         self, model: nn.Module, start: Geometry, now: Geometry, totals: dict, left: int
@@ -443,60 +391,20 @@ class Pruner:
         ``now`` is the model's geometry as the round starts."""
         scores = self.last_scores
         kept, plan, requested = list(range(len(now.layers))), {}, {}
-        layers = self.part("layers")
-        if layers is not None:
-            remaining = now.left(start, totals, "layers", kept)
-            requested["layers"] = share = -(-remaining // left)
-            chosen = select_layers(_layer_scores(scores["layers"], len(kept)), share,
-                                   min_layers=layers.min_per_layer or 1, seed=layers.seed) if share else []  # fmt: skip
-            plan["layers"] = chosen
-            kept = [i for i in kept if i not in chosen]
-        for unit in ("heads", "mlp"):
-            if self.part(unit) is None:
-                continue
-            remaining = now.left(start, totals, unit, kept)
-            requested[unit] = share = -(-remaining // left)
-            if share <= 0:
-                plan[unit] = {}
-            elif unit == "heads":
-                plan[unit] = self._round_heads(model, share, remaining, kept)
+        for part in self.parts:  # whole layers first
+            remaining = now.left(start, totals, part.unit, kept)
+            requested[part.unit] = share = -(-remaining // left)
+            if part.kind.whole_layers:
+                plan[part.unit] = chosen = part.kind.select_round(model, part, scores[part.unit], share, remaining,
+                                                                  kept, [])  # fmt: skip
+                kept = [i for i in kept if i not in chosen]
+            elif share <= 0:
+                plan[part.unit] = {}
             else:
-                plan[unit] = self._round_channels(model, start, now, share, remaining, kept)
+                start_sizes = [len(start.kept[part.unit][now.layers[i]]) for i in kept]
+                plan[part.unit] = part.kind.select_round(model, part, scores[part.unit], share, remaining, kept,
+                                                         start_sizes)  # fmt: skip
         return plan, requested
-
-    def _round_heads(self, model: nn.Module, share: int, remaining: int, kept: list[int]) -> dict[int, list[int]]:
-        """The smallest valid cut of at least ``share`` heads and at most ``remaining``; ``{}`` if none."""
-        scores = self.last_scores["heads"]
-        self._select_heads(model, scores, 0, False, kept)  # bad scores (shape, NaN) raise here, not below
-        for request in range(share, remaining + 1):
-            try:
-                return self._select_heads(model, scores, request, True, kept)
-            except ValueError:
-                continue
-        return {}
-
-    def _round_channels(self, model, start: Geometry, now: Geometry, share: int, remaining: int, kept: list[int]):
-        """``share`` channels (or the nearest achievable below; else up to ``remaining``); ``{}`` if none.
-
-        Floors are those of the widths at the start: a quarter of each in ``global`` mode unless the
-        part sets ``min_per_layer``, so rounds do not starve a layer one quarter at a time.
-        """
-        part = self.part("mlp")
-        rows = _per_layer(self.last_scores["mlp"], len(now.layers), "mlp")
-        sizes = channel_counts(model)
-        floor = part.min_per_layer
-        if floor is None and part.mode == "global":
-            floor = [quarter(len(start.channels[now.layers[i]])) for i in kept]
-        for request in (share, remaining):
-            try:
-                with log_level(select_channels.__module__, logging.ERROR):  # a share the multiple misses: ours
-                    chosen = select_channels([sizes[i] for i in kept], [rows[i] for i in kept], request,
-                                             mode=part.mode, min_channels_per_layer=floor, multiple=part.multiple,
-                                             seed=part.seed)  # fmt: skip
-            except ValueError:
-                continue
-            return {kept[i]: channels for i, channels in chosen.items()}
-        return {}
 
     def _round_entry(self, index: int, requested: dict, summary: PruneSummary, before: Geometry) -> dict:
         """One round for ``report()``: what it asked for and removed, layers and units in original numbering.
@@ -505,21 +413,23 @@ class Pruner:
         OBS compensation chooses its own units."""
         entry = {
             "round": index,
-            "requested": requested.get("heads", 0) if self.heads_only else dict(requested),
+            "requested": requested.get(self.parts[0].unit, 0) if self.heads_only else dict(requested),
             "heads_removed": summary.heads_removed,
             "channels_removed": summary.channels_removed,
             "layers_removed": summary.layers_removed,
         }
-        orig, plan = before.layers, _summary_plan(summary)
-        selection = {
-            "layers": [orig[i] for i in plan.get("layers", [])],
-            "heads": {str(orig[i]): [before.heads[orig[i]][h] for h in hs] for i, hs in plan.get("heads", {}).items()},
-            "mlp": {str(orig[i]): [before.channels[orig[i]][c] for c in cs] for i, cs in plan.get("mlp", {}).items()},
-        }
+        orig, selection = before.layers, {}
+        for unit, removed in _summary_plan(summary, self._units).items():
+            if get_unit(unit).whole_layers:
+                selection[unit] = [orig[i] for i in removed]
+            else:
+                items = before.kept[unit]
+                selection[unit] = {str(orig[i]): [items[orig[i]][x] for x in xs] for i, xs in removed.items()}
         if self.heads_only:
-            entry.update(selection=selection["heads"], criterion_report=self.part("heads").criterion.report())
+            part = self.parts[0]
+            entry.update(selection=selection[part.unit], criterion_report=part.criterion.report())
         else:
-            entry["selection"] = {unit: selection[unit] for unit in self._units}
+            entry["selection"] = selection
             entry["criterion_report"] = {p.unit: p.criterion.report() for p in self.parts}
         entry["compensation"] = summary.compensation.to_dict() if summary.compensation is not None else None
         return entry
@@ -613,7 +523,7 @@ class HeadPruner:
         compensation_options: Mapping[str, Any] | None = None,
     ):
         part = Part(
-            "heads",
+            HEADS.name,
             criterion,
             amount,
             mode=mode,
@@ -649,18 +559,18 @@ class HeadPruner:
     @property
     def last_scores(self) -> Scores | None:
         scores = self._pruner.last_scores
-        return None if scores is None else scores["heads"]
+        return None if scores is None else scores[HEADS.name]
 
     @property
     def last_selection(self) -> dict[int, list[int]] | None:
         plan = self._pruner.last_selection
-        return None if plan is None else plan["heads"]
+        return None if plan is None else plan[HEADS.name]
 
     def score(
         self, model: nn.Module, batches: Iterable[Mapping[str, Any]] | None = None, trace: TraceLike | None = None
     ) -> Scores:
         """The criterion's scores for ``model`` (higher = keep), shaped like ``C_Q``."""
-        return self._pruner.score(model, batches, trace)["heads"]
+        return self._pruner.score(model, batches, trace)[HEADS.name]
 
     def select(
         self,
@@ -671,8 +581,8 @@ class HeadPruner:
         trace: TraceLike | None = None,
     ) -> dict[int, list[int]]:
         """Heads to remove, ``{layer: [heads]}``; scores are computed unless given."""
-        given = None if scores is None else {"heads": scores}
-        return self._pruner.select(model, given, batches=batches, trace=trace)["heads"]
+        given = None if scores is None else {HEADS.name: scores}
+        return self._pruner.select(model, given, batches=batches, trace=trace)[HEADS.name]
 
     def prune(
         self,
@@ -711,48 +621,22 @@ class HeadPruner:
         )
 
 
-def _apply(model: nn.Module, plan: Plan, **kw) -> PruneSummary:
-    """Remove ``plan`` from ``model``: :func:`~sinv_prune.prune_heads` for heads only, else ``surgery.prune``."""
-    if not plan.get("mlp") and not plan.get("layers"):
-        return prune_heads(model, plan.get("heads", {}), **kw)
-    return surgery.prune(model, plan, **kw)
-
-
 def _plan_json(plan: Plan) -> dict:
     """A plan with string layer keys (JSON objects)."""
-    return {
-        unit: list(value) if unit == "layers" else {str(k): list(v) for k, v in value.items()}
-        for unit, value in plan.items()
-    }
+    return {unit: get_unit(unit).to_json(value) for unit, value in plan.items()}
 
 
-def _per_layer(scores, layers: int, unit: str) -> list:
-    """``scores`` checked to have one row per layer (the selection checks the rows)."""
-    if isinstance(scores, str) or not isinstance(scores, Sequence) or len(scores) != layers:
-        got = len(scores) if isinstance(scores, Sequence) else type(scores).__name__
-        raise ValueError(f"{unit} scores must be a list per layer of the {layers} layers, got {got}")
-    return list(scores)
-
-
-def _layer_scores(scores, layers: int) -> list:
-    """Layer scores checked to have one entry per layer."""
-    if isinstance(scores, str) or not isinstance(scores, Sequence) or len(scores) != layers:
-        got = len(scores) if isinstance(scores, Sequence) else type(scores).__name__
-        raise ValueError(f"layer scores must have one float for each of the {layers} layers, got {got}")
-    return list(scores)
+def unit_settings() -> dict[str, Any]:
+    """Every unit-specific :class:`Part` setting and its default (``layout``, ``multiple``, ...)."""
+    return {key: default for unit in units() for key, default in unit.settings.items()}
 
 
 def check_part_allocation(unit: str, mode: str, layout: str | None, allocation: str) -> None:
-    """A non-uniform allocation decides per-layer amounts itself: heads or mlp parts, mode left at
+    """A non-uniform allocation decides per-layer amounts itself: per-layer units only, mode left at
     'global', heads under layout 'q_per_group' (one rule for ``Part`` and the recipe schema)."""
     if allocation == "uniform":
         return
-    if unit == "layers":
-        raise ValueError(f"allocation {allocation!r} spreads heads or channels; a layers part takes 'uniform'")
-    if mode != "global":
-        raise ValueError(f"allocation {allocation!r} decides how layers share the cut; leave mode at global")
-    if unit == "heads" and layout != "q_per_group":
-        raise ValueError(f"allocation {allocation!r} needs layout 'q_per_group' for heads, got {layout!r}")
+    get_unit(unit).check_allocation(mode, layout, allocation)
 
 
 def _rounds(value) -> int:
@@ -769,41 +653,36 @@ def _rounds(value) -> int:
 
 @dataclass
 class Geometry:
-    """What a model holds now, in original numbering: its layers and, per original layer, heads and channels."""
+    """What a model holds now, in original numbering: its layers and, per unit and original layer, the items."""
 
     layers: list[int]
-    heads: dict[int, list[int]]
-    channels: dict[int, list[int]]
+    kept: dict[str, dict[int, list[int]]]
 
     @classmethod
-    def of(cls, model: nn.Module, units: Sequence[str] = ("heads",)) -> Geometry:
-        """From the model's pruning record (an unpruned model: everything, numbered as it is); channels
-        only when ``units`` has ``"mlp"`` (an adapter may not know MLPs)."""
+    def of(cls, model: nn.Module, units: Sequence[str] = ()) -> Geometry:
+        """From the model's pruning record (an unpruned model: everything, numbered as it is), for the
+        per-layer units among ``units`` (an adapter may not know MLPs)."""
         adapter, record = get_adapter(model), get_record(model.config)
         layers = record.kept_layers() if record is not None else list(range(adapter.num_layers))
-        if record is not None:
-            heads = {orig: record.kept_heads(orig) for orig in layers}
-        else:
-            heads = {i: list(range(adapter.layout(i).num_heads)) for i in layers}
-        channels = {}
-        if "mlp" in units:
-            known = record is not None and record.intermediate_size  # older records: unpruned MLPs
-            for i, orig in enumerate(layers):
-                channels[orig] = record.kept_channels(orig) if known else list(range(adapter.intermediate_size(i)))
-        return cls(layers, heads, channels)
+        kept = {}
+        for name in units:
+            kind = get_unit(name)
+            if not kind.whole_layers:
+                kept[name] = {orig: kind.original_items(record, adapter, i, orig) for i, orig in enumerate(layers)}
+        return cls(layers, kept)
 
     def left(self, start: Geometry, totals: Mapping[str, int], unit: str, kept: Sequence[int]) -> int:
         """How many of ``totals[unit]`` are still to go: layers since ``start``; heads or channels
         removed since ``start`` count only in the current layers ``kept`` (a dropped layer's do not)."""
-        if unit == "layers":
+        if get_unit(unit).whole_layers:
             return totals[unit] - (len(start.layers) - len(self.layers))
-        now, then = (self.heads, start.heads) if unit == "heads" else (self.channels, start.channels)
+        now, then = self.kept[unit], start.kept[unit]
         return totals[unit] - sum(len(then[self.layers[i]]) - len(now[self.layers[i]]) for i in kept)
 
 
 def _plan_counts(plan: Plan) -> dict[str, int]:
     """``{unit: how many}`` of a plan."""
-    return {unit: len(value) if unit == "layers" else sum(map(len, value.values())) for unit, value in plan.items()}
+    return {unit: get_unit(unit).count(value) for unit, value in plan.items()}
 
 
 def _gone(then: list[int], now: list[int]) -> tuple[list[int], list[int]]:
@@ -813,13 +692,9 @@ def _gone(then: list[int], now: list[int]) -> tuple[list[int], list[int]]:
     return where, [then[k] for k in where]
 
 
-def _summary_plan(summary: PruneSummary) -> Plan:
-    """The plan a summary removed, numbered as the model was before it."""
-    return {
-        "layers": list(summary.removed_layers),
-        "heads": {c.layer: sorted(c.removed) for c in summary.layers},
-        "mlp": {c.layer: sorted(c.removed) for c in summary.mlp},
-    }
+def _summary_plan(summary: PruneSummary, names: Sequence[str]) -> Plan:
+    """What a summary removed of the units ``names``, numbered as the model was before it."""
+    return {name: get_unit(name).removed(summary) for name in names}
 
 
 def _combine(model: nn.Module, summaries: list[PruneSummary], start: Geometry) -> PruneSummary:
@@ -829,23 +704,21 @@ def _combine(model: nn.Module, summaries: list[PruneSummary], start: Geometry) -
     if not summaries:
         params = count_parameters(model)
         return PruneSummary([], params, params)
-    adapter, end = get_adapter(model), Geometry.of(model, ["mlp"] if start.channels else [])
+    adapter, end = get_adapter(model), Geometry.of(model, list(start.kept))
     position = {orig: i for i, orig in enumerate(end.layers)}
-    heads, mlp, dropped = [], [], []
-    for before, orig in enumerate(start.layers):
-        if orig not in position:
-            dropped.append(before)
-            continue
-        where, gone = _gone(start.heads[orig], end.heads[orig])
-        if gone:
-            now = adapter.layout(position[orig])
-            heads.append(LayerChange(before, where, gone, now.num_heads, now.num_kv_heads))
-        if start.channels:
-            where, gone = _gone(start.channels[orig], end.channels[orig])
+    dropped = [before for before, orig in enumerate(start.layers) if orig not in position]
+    combined = PruneSummary([], summaries[0].params_before, summaries[-1].params_after, removed_layers=dropped,
+                            removed_layers_original=[start.layers[i] for i in dropped])  # fmt: skip
+    for name, items in start.kept.items():
+        kind, changes = get_unit(name), []
+        for before, orig in enumerate(start.layers):
+            if orig not in position:
+                continue
+            where, gone = _gone(items[orig], end.kept[name][orig])
             if gone:
-                mlp.append(MlpChange(before, where, gone, len(end.channels[orig])))
-    return PruneSummary(heads, summaries[0].params_before, summaries[-1].params_after, mlp=mlp,
-                        removed_layers=dropped, removed_layers_original=[start.layers[i] for i in dropped])  # fmt: skip
+                changes.append(kind.change(adapter, before, where, gone, position[orig], end.kept[name][orig]))
+        setattr(combined, kind.summary_field, changes)
+    return combined
 
 
 def check_amount(amount):
@@ -874,23 +747,20 @@ class _Budget:
         return self._total
 
     def _cost(self, unit: str, kept: list[int]) -> int:
-        costs = [head_cost(self.model, i) if unit == "heads" else channel_cost(self.model, i) for i in kept]
+        """One item's parameters: a whole layer's those of the first layer kept; else the cheapest layer's."""
+        kind = get_unit(unit)
+        if kind.whole_layers:
+            return max(kind.cost(self.model, kept[0]), 1) if kept else 1
+        costs = [kind.cost(self.model, i) for i in kept]
         costs = [c for c in costs if c]
         return min(costs) if costs else 1
 
     def _target(self, amount) -> int:
         return math.floor(amount["params"] * self.non_embedding)
 
-    def layers(self, amount, kept: list[int]):
-        """A layer count: ``{"params": f}`` -> the most layers whose parameters do not exceed the target."""
-        if not isinstance(amount, Mapping):
-            return amount
-        blocks = get_adapter(self.model).layers()
-        per_block = sum(p.numel() for p in blocks[kept[0]].parameters()) if kept else 1
-        return self._target(amount) // max(per_block, 1)
-
     def units(self, amount, unit: str, kept: list[int]):
-        """A unit count for the selection's own modes: the params target over one unit's parameters, rounded down."""
+        """A unit count for the selection's own modes: the params target over one unit's parameters, rounded down
+        (whole layers: the most layers whose parameters do not exceed the target)."""
         if not isinstance(amount, Mapping):
             return amount
         return self._target(amount) // self._cost(unit, kept)
@@ -899,13 +769,7 @@ class _Budget:
         """A parameter target for an allocation: ``{"params": f}`` directly, a count / fraction times a unit's cost."""
         if isinstance(amount, Mapping):
             return self._target(amount)
-        counts = head_counts_of(self.model, unit, kept)
-        count = _count(amount, sum(counts), "heads" if unit == "heads" else "channels")
+        kind = get_unit(unit)
+        sizes = kind.sizes(self.model)
+        count = _count(amount, sum(sizes[i] for i in kept), kind.plural, f"a {kind.noun} count")
         return count * self._cost(unit, kept)
-
-
-def head_counts_of(model: nn.Module, unit: str, kept: list[int]) -> list[int]:
-    adapter = get_adapter(model)
-    if unit == "heads":
-        return [adapter.layout(i).num_heads for i in kept]
-    return [adapter.intermediate_size(i) for i in kept]

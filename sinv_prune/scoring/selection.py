@@ -170,11 +170,11 @@ def _nonnegative(value, what: str) -> int:
     return value
 
 
-def _count(amount, total: int, noun: str = "heads") -> int:
-    """An int amount, or a float fraction of ``total`` rounded half up, checked against ``total`` ``noun``."""
+def _count(amount, total: int, noun: str = "heads", count_of: str = "a head count") -> int:
+    """An int amount, or a float fraction of ``total`` rounded half up, checked against ``total`` ``noun``
+    (``count_of`` names an int amount in the message refusing a float outside [0, 1])."""
     if isinstance(amount, float):
         if not 0.0 <= amount <= 1.0:
-            count_of = "a head count" if noun == "heads" else "a count"
             raise ValueError(f"a float amount is a fraction in [0, 1], got {amount!r} (pass an int for {count_of})")
         return math.floor(amount * total + 0.5)
     count = _nonnegative(amount, "amount")

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from sinv_prune.scoring.criteria.base import channel_counts
+from sinv_prune.arch import get_adapter
 from sinv_prune.scoring.selection import MODES, _count, _knapsack, _nonnegative, _ranks
 
 
@@ -43,6 +43,12 @@ def standardize(scores: Sequence[float]) -> list[float]:
     mean = math.fsum(scores) / n
     std = math.sqrt(math.fsum((x - mean) ** 2 for x in scores) / n)
     return [(x - mean) / std for x in scores] if std > 0 else [0.0] * n
+
+
+def _widths(model: nn.Module) -> list[int]:
+    """Current number of MLP channels in every layer."""
+    adapter = get_adapter(model)
+    return [adapter.intermediate_size(layer) for layer in range(adapter.num_layers)]
 
 
 def quarter(width: int) -> int:
@@ -84,7 +90,7 @@ def select_channels(
         seed: orders equal scores; the same inputs and seed give the same result.
         exact: raise instead of removing fewer channels when the amount cannot be met exactly.
     """
-    sizes = channel_counts(model_or_sizes) if isinstance(model_or_sizes, nn.Module) else _sizes(model_or_sizes)
+    sizes = _widths(model_or_sizes) if isinstance(model_or_sizes, nn.Module) else _sizes(model_or_sizes)
     if mode not in MODES:
         raise ValueError(f"unknown selection mode {mode!r}; choose one of {', '.join(MODES)}")
     floors = None
@@ -101,7 +107,7 @@ def select_channels(
     if step < 1:
         raise ValueError(f"multiple must be a positive integer, got {multiple!r}")
     rows = _check_rows(scores, sizes)
-    wanted = _count(amount, sum(sizes), "channels")
+    wanted = _count(amount, sum(sizes), "channels", "a count")
     if wanted == 0:
         return {}
     # global: scores standardised within each layer first (FLAP), so no layer's scale decides for it.
@@ -160,7 +166,7 @@ def select_layers(scores: Sequence[float], amount: int | float, *, min_layers: i
     keep = _nonnegative(min_layers, "min_layers")
     if keep < 1:
         raise ValueError("min_layers must be at least 1 (a model cannot lose every layer)")
-    wanted = _count(amount, len(values), "layers")
+    wanted = _count(amount, len(values), "layers", "a count")
     if wanted and len(values) - wanted < keep:
         raise ValueError(f"removing {wanted} of {len(values)} layers would leave fewer than min_layers={keep}")
     ranks = _ranks([values], "global", seed)[0]

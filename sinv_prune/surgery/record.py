@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from packaging.version import InvalidVersion, Version
+
 from sinv_prune.version import __version__
 
 RECORD_KEY = "sinv_prune"
@@ -75,13 +77,32 @@ class PruningRecord:
 
     @classmethod
     def from_json(cls, data: dict) -> PruningRecord:
+        """The record of ``config.sinv_prune``; a key this version does not know (a unit added by a newer
+        version, say) is a one-line ``ValueError`` naming it, never dropped: the shapes would come out wrong."""
         if data.get("type") != RECORD_TYPE:
             raise ValueError(f"config.{RECORD_KEY} is not a sinv_prune pruning record (type={data.get('type')!r})")
-        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            written = str(data.get("version"))
+            if _newer(written, __version__):
+                raise ValueError(
+                    f"config.{RECORD_KEY} was written by sinv_prune {written}, newer than this {__version__}: "
+                    f"it records {unknown} (a unit this version does not know); upgrade sinv_prune to load it"
+                )
+            raise ValueError(f"config.{RECORD_KEY} has unknown keys {unknown} (written by sinv_prune {written})")
+        fields = dict(data)
         fields["pruned_heads"] = {int(k): list(v) for k, v in data.get("pruned_heads", {}).items()}
         fields["pruned_mlp"] = {int(k): list(v) for k, v in data.get("pruned_mlp", {}).items()}
         fields["removed_layers"] = sorted(int(i) for i in data.get("removed_layers", ()))
         return cls(**fields)
+
+
+def _newer(written: str, ours: str) -> bool:
+    """Whether version ``written`` is later than ``ours`` (an unparsable one is not)."""
+    try:
+        return Version(written) > Version(ours)
+    except InvalidVersion:
+        return False
 
 
 def get_record(config) -> PruningRecord | None:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import operator
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -14,30 +13,24 @@ from sinv_prune.surgery import compensation
 from sinv_prune.surgery.checkpoint import base_class, finalize_checkpoint_format
 from sinv_prune.surgery.compensation import CompensationReport
 from sinv_prune.surgery.record import PruningRecord, get_record, set_record
-from sinv_prune.surgery.shapes import apply_layer, apply_mlp, drop_layers
+from sinv_prune.surgery.shapes import apply_layer, drop_layers
+from sinv_prune.units import get_unit, unit_names, units
+from sinv_prune.units.heads import LayerChange, plan_removal
+from sinv_prune.units.layers import plan_layers
+from sinv_prune.units.mlp import MlpChange, plan_channels
 
-__all__ = ["LayerChange", "MlpChange", "PruneSummary", "apply_layer", "count_parameters", "prune", "prune_heads"]
-
-
-@dataclass
-class LayerChange:
-    """What happened to one layer's heads: indices in the numbering before this call and the original one."""
-
-    layer: int
-    removed: list[int]
-    removed_original: list[int]
-    kept: int
-    kept_kv: int
-
-
-@dataclass
-class MlpChange:
-    """What happened to one layer's MLP channels: numbering before this call and the original one."""
-
-    layer: int
-    removed: list[int]
-    removed_original: list[int]
-    kept: int
+__all__ = [
+    "LayerChange",
+    "MlpChange",
+    "PruneSummary",
+    "apply_layer",
+    "count_parameters",
+    "plan_channels",
+    "plan_layers",
+    "plan_removal",
+    "prune",
+    "prune_heads",
+]
 
 
 @dataclass
@@ -109,19 +102,24 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-PLAN_KEYS = ("heads", "mlp", "layers")
-
-
 @dataclass
 class _Plan:
-    """A validated plan in the model's current numbering."""
+    """A validated plan in the model's current numbering: per unit name, its checked entry."""
 
-    heads: dict[int, tuple[list[int], list[int], list[int]]]
-    mlp: dict[int, tuple[list[int], list[int]]]
-    layers: list[int]
+    entries: dict[str, object]
 
     def __bool__(self) -> bool:
-        return bool(self.heads or self.mlp or self.layers)
+        return any(self.entries.values())
+
+    def per_layer(self) -> list[tuple[object, dict]]:
+        """``(unit, checked entry)`` of the per-layer units the plan names, in cut order."""
+        named = [(get_unit(name), entry) for name, entry in self.entries.items() if entry]
+        return [(unit, entry) for unit, entry in named if not unit.whole_layers]
+
+    @property
+    def dropped(self) -> list[int]:
+        """The whole layers the plan drops (current numbering, sorted)."""
+        return sorted({i for name, entry in self.entries.items() if get_unit(name).whole_layers for i in entry})
 
 
 def prune_heads(
@@ -185,6 +183,9 @@ def prune(
       least one block stays, and a removed block may not also be named under ``"heads"``
       or ``"mlp"``.
 
+    A unit registered with :func:`sinv_prune.units.register_unit` adds its own key; every key is
+    checked by its unit (:mod:`sinv_prune.units`), and an unknown one is refused naming it.
+
     Heads and channels are cut first, then blocks dropped; later layers move down and their
     attention ``layer_idx`` (KV-cache slot), ``config.num_hidden_layers`` / ``n_layer``,
     ``config.layer_types`` and ``max_window_layers`` follow. Invalid plans (unknown keys, bad
@@ -227,13 +228,8 @@ def prune(
         raise ValueError(f"cannot prune this model: {refusal}")
     compensation.check_options(model, adapter, compensate, calibration, ridge, add_bias, precision, holdout)
     checked = plan_prune(model, adapter, plan, allow_empty_layers=allow_empty_layers)
-    if checked.mlp and compensate == "bias":
-        no_bias = [i for i in checked.mlp if getattr(adapter.mlp_out(i), "bias", None) is None]
-        if no_bias:
-            raise ValueError(
-                f"compensate='bias' needs an MLP down-projection bias, which {model.config.model_type} lacks "
-                f"(layers {no_bias[:5]}); use compensate='lsq' for MLP channels"
-            )
+    for unit, entry in checked.per_layer():
+        unit.check_compensation(model, adapter, entry, compensate)
     if not checked:  # nothing to remove: leave class and config as they are
         params = count_parameters(model)
         return PruneSummary([], params, params)
@@ -243,11 +239,12 @@ def prune(
     snapshot = _Snapshot.take(model, adapter, checked, all_attention=bool(add_bias and compensate))
     try:
         options = (compensate, ridge, add_bias, precision)
-        changes, mlp_changes, report = _cut(model, adapter, record, checked, inputs, options)
+        changes, report = _cut(model, adapter, record, checked, inputs, options)
         origin = record.kept_layers()
-        dropped_original = [origin[i] for i in checked.layers]
-        if checked.layers:
-            drop_layers(model, adapter, checked.layers)
+        dropped = checked.dropped
+        dropped_original = [origin[i] for i in dropped]
+        if dropped:
+            drop_layers(model, adapter, dropped)
             record.removed_layers = sorted(set(record.removed_layers) | set(dropped_original))
         set_record(model.config, record)
         finalize_checkpoint_format(model, adapter, record)
@@ -255,64 +252,46 @@ def prune(
         snapshot.restore()
         raise
     after = count_parameters(model)
-    return PruneSummary(changes, before, after, report, mlp_changes, list(checked.layers), dropped_original)
+    summary = PruneSummary([], before, after, report, removed_layers=dropped, removed_layers_original=dropped_original)
+    for name, unit_changes in changes.items():
+        setattr(summary, name, unit_changes)
+    return summary
 
 
 def _cut(model, adapter, record, plan: _Plan, inputs, options):
-    """Slice heads and channels (compensating when asked), updating ``record``; the changes and the report.
+    """Slice every per-layer unit's entry (compensating when asked), updating ``record``; the changes
+    per summary field and the compensation report.
 
     ``options`` is ``(compensate, ridge, add_bias, precision)``. OBS may change which units go, so
     the record and the changes are written from the plan after compensation.
     """
     compensate, ridge, add_bias, precision = options
     report = None
-
-    def slice_heads(layer: int) -> None:
-        apply_layer(adapter, layer, *plan.heads[layer][1:])
-
-    def slice_mlp(layer: int) -> None:
-        apply_mlp(adapter, layer, plan.mlp[layer][1])
-
-    def choose_heads(layer: int, removed: list[int]) -> None:
-        plan.heads[layer] = plan_removal(adapter, {layer: removed}, allow_empty_layers=True)[layer]
-
-    def choose_mlp(layer: int, removed: list[int]) -> None:
-        width = len(plan.mlp[layer][0]) + len(plan.mlp[layer][1])
-        plan.mlp[layer] = (removed, [c for c in range(width) if c not in set(removed)])
-
+    entries = plan.per_layer()
     if compensate:
-        cuts = compensation.head_cuts(adapter, plan.heads, slice_heads, choose_heads)
-        for layer, cut in compensation.mlp_cuts(adapter, plan.mlp, slice_mlp, choose_mlp).items():
-            cuts.setdefault(layer, []).extend(cut)  # forward order: attention before the MLP
+        cuts: dict[int, list] = {}
+        for unit, entry in entries:  # per layer in forward order: attention before the MLP
+
+            def apply(layer: int, unit=unit, entry=entry) -> None:
+                unit.cut(adapter, layer, entry[layer])
+
+            def choose(layer: int, removed: list[int], unit=unit, entry=entry) -> None:
+                entry[layer] = unit.rechoose(adapter, layer, entry[layer], removed)
+
+            for layer, cut in unit.compensation_cuts(adapter, entry, apply, choose).items():
+                cuts.setdefault(layer, []).extend(cut)
         report = compensation.run_compensation(
             model, adapter, dict(sorted(cuts.items())), inputs, compensate, ridge, add_bias, precision
         )
     else:
-        for layer in plan.heads:
-            slice_heads(layer)
-        for layer in plan.mlp:
-            slice_mlp(layer)
-    changes, mlp_changes = _record_cut(record, plan)
-    return changes, mlp_changes, report
-
-
-def _record_cut(record, plan: _Plan) -> tuple[list[LayerChange], list[MlpChange]]:
-    """Write the plan's heads and channels into ``record`` (original numbering); the per-layer changes."""
+        for unit, entry in entries:
+            for layer in entry:
+                unit.cut(adapter, layer, entry[layer])
     origin = record.kept_layers()
-    changes, mlp_changes = [], []
-    for layer, (removed, keep_q, keep_kv) in plan.heads.items():
-        kept_original = record.kept_heads(origin[layer])
-        removed_original = [kept_original[h] for h in removed]
-        record.pruned_heads[origin[layer]] = sorted(
-            set(record.pruned_heads.get(origin[layer], [])) | set(removed_original)
-        )
-        changes.append(LayerChange(layer, removed, removed_original, len(keep_q), len(keep_kv)))
-    for layer, (removed, keep) in plan.mlp.items():
-        kept_original = record.kept_channels(origin[layer])
-        removed_original = [kept_original[c] for c in removed]
-        record.pruned_mlp[origin[layer]] = sorted(set(record.pruned_mlp.get(origin[layer], [])) | set(removed_original))
-        mlp_changes.append(MlpChange(layer, removed, removed_original, len(keep)))
-    return changes, mlp_changes
+    changes: dict[str, list] = {}
+    for unit, entry in entries:
+        changes.setdefault(unit.summary_field, []).extend(unit.record_cut(record, origin, entry))
+    return changes, report
 
 
 def unprunable_reason(model: nn.Module, adapter: HeadAdapter) -> str | None:
@@ -361,10 +340,10 @@ class _Snapshot:
 
     @classmethod
     def take(cls, model: nn.Module, adapter: HeadAdapter, plan: _Plan, all_attention: bool = False) -> _Snapshot:
-        head_layers = range(adapter.num_layers) if all_attention else plan.heads
-        tops = [top for layer in head_layers for top in adapter.touched_modules(layer)]
-        tops += [m for layer in plan.mlp for m in adapter.mlp_modules(layer)]
-        if plan.layers:
+        every = range(adapter.num_layers) if all_attention else ()
+        tops = [top for layer in every for top in adapter.touched_modules(layer)]
+        tops += [m for unit, entry in plan.per_layer() for layer in entry for m in unit.touched(adapter, layer)]
+        if plan.dropped:
             tops.append(adapter.layer_stack())
         modules = {id(m): m for top in tops for m in top.modules()}
         return cls(model, list(modules.values()))
@@ -386,128 +365,27 @@ def _refill(live: dict, saved: dict) -> None:
 def plan_prune(
     model: nn.Module, adapter: HeadAdapter, plan: Mapping[str, object], *, allow_empty_layers: bool = False
 ) -> _Plan:
-    """Validate a :func:`prune` plan (current numbering) with a one-line ``ValueError``; nothing changes."""
+    """Validate a :func:`prune` plan (current numbering) with a one-line ``ValueError``; nothing changes.
+
+    Every key is a registered unit (:mod:`sinv_prune.units`); each unit checks its own entry, and no
+    per-layer unit may name a layer a whole-layer unit drops."""
+    names = unit_names()
     if not isinstance(plan, Mapping):
-        raise ValueError(f"plan must be a mapping with keys {', '.join(PLAN_KEYS)}, got {type(plan).__name__}")
-    unknown = [k for k in plan if k not in PLAN_KEYS]
+        raise ValueError(f"plan must be a mapping with keys {', '.join(names)}, got {type(plan).__name__}")
+    unknown = [k for k in plan if k not in names]
     if unknown:
-        raise ValueError(f"unknown plan keys {unknown}: a plan has {', '.join(map(repr, PLAN_KEYS))}")
-    heads = plan_removal(adapter, plan.get("heads") or {}, allow_empty_layers=allow_empty_layers)
-    mlp = plan_channels(adapter, plan.get("mlp") or {})
-    layers = plan_layers(model, adapter, plan.get("layers") or [])
-    for what, named in (("heads", heads), ("MLP channels", mlp)):
-        overlap = sorted(set(named) & set(layers))
+        raise ValueError(f"unknown plan keys {unknown}: a plan has {', '.join(map(repr, names))}")
+    entries = {
+        unit.name: unit.validate(model, adapter, plan.get(unit.name), allow_empty_layers=allow_empty_layers)
+        for unit in units()
+        if unit.name in plan
+    }
+    checked = _Plan(entries)
+    for unit, entry in checked.per_layer():
+        overlap = sorted(set(entry) & set(checked.dropped))
         if overlap:
-            raise ValueError(f"layers {overlap} are removed by the plan and also have {what} named")
-    return _Plan(heads, mlp, layers)
-
-
-def plan_channels(adapter: HeadAdapter, mlp: Mapping[int, Iterable[int]]) -> dict[int, tuple[list[int], list[int]]]:
-    """Validate the ``"mlp"`` part of a plan; per layer: (removed, kept channels), current numbering."""
-    if not isinstance(mlp, Mapping):
-        raise ValueError(f"plan['mlp'] must map layer index -> channel indices, got {type(mlp).__name__}")
-    out = {}
-    for layer, removed in _per_layer(adapter, mlp, "mlp ", "channel"):
-        width = adapter.intermediate_size(layer)
-        bad = [c for c in removed if not 0 <= c < width]
-        if bad:
-            raise ValueError(f"mlp layer {layer}: channel indices {bad} out of range 0..{width - 1}")
-        if not removed:
-            continue
-        if len(removed) == width:
-            raise ValueError(f"mlp layer {layer}: removing all {width} channels is refused; remove the layer instead")
-        gone = set(removed)
-        out[layer] = (sorted(removed), [c for c in range(width) if c not in gone])
-    return out
-
-
-def plan_layers(model: nn.Module, adapter: HeadAdapter, layers: Iterable[int]) -> list[int]:
-    """Validate the ``"layers"`` part of a plan: sorted block indices to drop, current numbering."""
-    removed = [_index(i, "layer") for i in _index_list(layers, "plan['layers']")]
-    if not removed:
-        return []
-    num_layers = adapter.num_layers
-    bad = [i for i in removed if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"layers {bad} out of range: the model has layers 0..{num_layers - 1}")
-    if len(set(removed)) != len(removed):
-        raise ValueError(f"duplicate layer indices {sorted({i for i in removed if removed.count(i) > 1})}")
-    if len(removed) == num_layers:
-        raise ValueError(f"removing all {num_layers} layers is refused: at least one must stay")
-    config = model.config
-    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
-        raise ValueError("layers cannot be removed while scale_attn_by_inverse_layer_idx ties attention to depth")
-    if getattr(config, "is_heterogeneous", False):
-        raise ValueError("layers cannot be removed from a heterogeneous (per_layer_config) model")
-    return sorted(removed)
-
-
-def plan_removal(
-    adapter: HeadAdapter, heads: Mapping[int, Iterable[int]], *, allow_empty_layers: bool = False
-) -> dict[int, tuple[list[int], list[int], list[int]]]:
-    """Validate a request; per layer: (removed, kept query heads, kept KV heads), current numbering."""
-    if not isinstance(heads, Mapping):
-        raise ValueError(f"heads must map layer index -> head indices, got {type(heads).__name__}")
-    plan = {}
-    for layer, removed in _per_layer(adapter, heads, "", "head"):
-        layout = adapter.layout(layer)
-        bad = [h for h in removed if not 0 <= h < layout.num_heads]
-        if bad:
-            raise ValueError(f"layer {layer}: head indices {bad} out of range 0..{layout.num_heads - 1}")
-        if not removed:
-            continue
-        keep_q = [h for h in range(layout.num_heads) if h not in set(removed)]
-        if not keep_q and not allow_empty_layers:
-            raise ValueError(f"layer {layer}: removing all {layout.num_heads} heads needs allow_empty_layers=True")
-        group = layout.group_size
-        sizes = {kv: sum(1 for h in keep_q if h // group == kv) for kv in range(layout.num_kv_heads)}
-        if len({s for s in sizes.values() if s}) > 1:
-            raise ValueError(
-                f"layer {layer}: GQA query groups would become unequal (heads kept per KV head: {list(sizes.values())})"
-            )
-        plan[layer] = (sorted(removed), keep_q, [kv for kv, s in sizes.items() if s])
-    return plan
-
-
-def _per_layer(adapter: HeadAdapter, request: Mapping, unit: str, noun: str) -> Iterator[tuple[int, list[int]]]:
-    """``(layer, indices)`` of a ``{layer: [indices]}`` request, in layer order; layers in range, named once,
-    indices integers without repeats (``unit`` prefixes the messages: ``""`` for heads, ``"mlp "``)."""
-    num_layers, seen = adapter.num_layers, {}
-    where = f"{unit.strip()}: " if unit else ""
-    for raw_layer, raw in sorted(request.items(), key=lambda kv: _index(kv[0], "layer")):
-        layer = _index(raw_layer, "layer")
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"{where}unknown layer {layer}: the model has layers 0..{num_layers - 1}")
-        if layer in seen:
-            raise ValueError(f"{where}layer {layer} is named more than once (keys {raw_layer!r} and {seen[layer]!r})")
-        seen[layer] = raw_layer
-        items = _index_list(raw, f"{unit}layer {layer}: {noun}s", f"{noun} indices" if not unit else "indices")
-        removed = [_index(i, f"{noun} in layer {layer}") for i in items]
-        if len(set(removed)) != len(removed):
-            dupes = sorted({i for i in removed if removed.count(i) > 1})
-            raise ValueError(f"{unit}layer {layer}: duplicate {noun} indices {dupes}")
-        yield layer, removed
-
-
-def _index_list(value, what: str, items: str = "indices") -> list:
-    """A collection of indices as a list; a bare index, a string or a mapping is refused, not iterated."""
-    if not isinstance(value, (str, bytes, Mapping)):
-        try:
-            return list(value)
-        except TypeError:
-            pass
-    raise ValueError(f"{what} must be a collection of {items}, got {value!r}")
-
-
-def _index(value, what: str) -> int:
-    if isinstance(value, (bool, float)):
-        raise ValueError(f"{what} index must be an integer, got {value!r}")
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-        return int(value)
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{what} index must be an integer, got {value!r}") from None
+            raise ValueError(f"layers {overlap} are removed by the plan and also have {unit.described} named")
+    return checked
 
 
 def _current_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:

@@ -12,9 +12,10 @@ from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import linear_weight
 from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, model_device, observe
 from sinv_prune.scoring.criteria.registry import register_criterion
+from sinv_prune.units import get_unit
+from sinv_prune.units.mlp import MLP
 
 METRICS = ("fluctuation", "magnitude")
-_NOUN = {"heads": "head", "mlp": "channel"}
 
 
 @register_criterion("activation")
@@ -92,19 +93,19 @@ class ActivationCriterion(Criterion):
             width = 0 if stats is None else stats["sum"].numel()
             if width != expected:
                 raise ValueError(
-                    f"activation: {_NOUN[self.unit]} counts changed since the batches were seen; call reset()"
+                    f"activation: {get_unit(self.unit).noun} counts changed since the batches were seen; call reset()"
                 )
             if stats is None:
                 out.append([])
                 continue
-            weight = linear_weight(module) if self.unit == "mlp" else adapter.projections(layer).o
+            weight = linear_weight(module) if get_unit(self.unit) is MLP else adapter.projections(layer).o
             w_o = weight.detach().to(stats["sum"].device, torch.float64)  # [D, width]
             out.append(self._layer_scores(stats, w_o, groups))
         return out
 
     def _sites(self, adapter) -> list[tuple[nn.Module, int, int]]:
         """Per layer: the module whose input is read, its number of scored groups, and its input width."""
-        if self.unit == "mlp":
+        if get_unit(self.unit) is MLP:
             sizes = [adapter.intermediate_size(layer) for layer in range(adapter.num_layers)]
             return [(adapter.mlp_out(layer), n, n) for layer, n in enumerate(sizes)]
         layouts = [adapter.layout(layer) for layer in range(adapter.num_layers)]
@@ -138,7 +139,7 @@ class ActivationCriterion(Criterion):
             self._stats = stats
         elif [0 if s is None else s["sum"].numel() for s in self._stats] != widths:
             raise ValueError(
-                f"activation: {_NOUN[self.unit]} counts changed between batches; call reset() after pruning"
+                f"activation: {get_unit(self.unit).noun} counts changed between batches; call reset() after pruning"
             )
         else:
             for acc, new in zip(self._stats, stats, strict=True):

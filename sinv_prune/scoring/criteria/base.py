@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from sinv_prune.arch import get_adapter
+from sinv_prune.units import get_unit
 
 Scores = list[list[float]] | list[float]
-UNITS = ("heads", "mlp", "layers")
 #: A trace as accepted by criteria: a JSON-lines file or its records (see :mod:`sinv_prune.scoring.trace`).
 TraceLike = str | os.PathLike | list[dict]
 
@@ -124,11 +124,7 @@ def channel_counts(model: nn.Module) -> list[int]:
 
 def unit_counts(model: nn.Module, unit: str) -> list[int]:
     """Per layer, the current number of ``unit`` (heads or MLP channels); ``[num_layers]`` for layers."""
-    if unit == "heads":
-        return head_counts(model)
-    if unit == "mlp":
-        return channel_counts(model)
-    return [get_adapter(model).num_layers]
+    return get_unit(unit).sizes(model)
 
 
 @contextmanager

@@ -9,6 +9,8 @@ from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import linear_weight
 from sinv_prune.scoring.criteria.base import Criterion, Scores
 from sinv_prune.scoring.criteria.registry import register_criterion
+from sinv_prune.units import get_unit
+from sinv_prune.units.mlp import MLP
 
 
 @register_criterion("magnitude")
@@ -39,7 +41,7 @@ class MagnitudeCriterion(Criterion):
 
     def scores(self, model: nn.Module) -> Scores:
         adapter = get_adapter(model)
-        if self.unit == "mlp":
+        if get_unit(self.unit) is MLP:
             return [_channel_scores(adapter, layer, self.p) for layer in range(adapter.num_layers)]
         out = []
         with torch.no_grad():

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sinv_prune.scoring.criteria.base import UNITS, Criterion, Scores, to_scores, unit_counts
+from sinv_prune.scoring.criteria.base import Criterion, Scores, to_scores, unit_counts
 from sinv_prune.scoring.criteria.registry import register_criterion
+from sinv_prune.units import get_unit, unit_names
 
 
 @register_criterion("random")
@@ -22,7 +23,7 @@ class RandomCriterion(Criterion):
         options: {seed: 0}
     """
 
-    units = UNITS
+    units = unit_names()  # every unit registered when the criteria load (the built-in ones)
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
@@ -32,4 +33,4 @@ class RandomCriterion(Criterion):
         values = to_scores(
             torch.rand(n, generator=generator, dtype=torch.float64) for n in unit_counts(model, self.unit)
         )
-        return values[0] if self.unit == "layers" else values
+        return values[0] if get_unit(self.unit).whole_layers else values

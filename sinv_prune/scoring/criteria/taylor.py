@@ -18,7 +18,7 @@ from sinv_prune.scoring.criteria.base import (
     to_scores,
 )
 from sinv_prune.scoring.criteria.registry import register_criterion
-from sinv_prune.scoring.gates import channel_gates, head_gates
+from sinv_prune.units import get_unit
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
 
@@ -64,12 +64,11 @@ class TaylorCriterion(Criterion):
 
     def update(self, model: nn.Module, batch: Mapping[str, Any]) -> None:
         batch = batch_to(batch, model_device(model))
-        make_gates = channel_gates if self.unit == "mlp" else head_gates
         with (
             preserve_modes(model, train=self.train_mode),
             frozen_parameters(model),
             torch.enable_grad(),
-            make_gates(model) as gates,
+            get_unit(self.unit).gates(model) as gates,
         ):
             loss = self._loss(model, batch)
             live = [g for g in gates if g.numel()]
@@ -82,7 +81,7 @@ class TaylorCriterion(Criterion):
             self._importance = per_layer
         else:
             if [t.numel() for t in per_layer] != [t.numel() for t in self._importance]:
-                noun = "channel" if self.unit == "mlp" else "head"
+                noun = get_unit(self.unit).noun
                 raise ValueError(f"taylor: {noun} counts changed between batches; call reset() after pruning")
             self._importance = [a + b for a, b in zip(self._importance, per_layer, strict=True)]
         self.batches += 1
