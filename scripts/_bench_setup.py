@@ -223,7 +223,7 @@ class Bench:
         return HeadPruner(criterion, amount, layout="q_per_group", seed=self.args.seed, **keys)
 
     def select(self, scores, cut: str) -> dict[int, list[int]]:
-        return self.pruner(StoredScores("scores", "heads", scores), cut).select(self.base)
+        return self.pruner(StoredScores("scores", "heads", scores), cut).select(self.base)["heads"]
 
     def prune(self, model, scores, cut: str, comp: str) -> dict:
         """The cut from ``scores`` with compensation ``comp``; wall time, compensation time and added peak memory."""
@@ -265,7 +265,8 @@ class Bench:
         Each round re-scores the pruned model (the total is the number of heads the one-shot cut
         removes, selected globally); with compensation every round's removal is compensated.
         """
-        scores = HeadPruner(criterion, 0, criterion_options=OPTIONS.get(criterion)).score(self.base, self.score_batches)
+        scorer = HeadPruner(criterion, 0, criterion_options=OPTIONS.get(criterion))
+        scores = scorer.score(self.base, self.score_batches)["heads"]
         total = sum(map(len, self.select(scores, cut).values()))
         part = Part("heads", criterion, total, mode="global", layout="q_per_group",
                     criterion_options=OPTIONS.get(criterion), seed=self.args.seed)  # fmt: skip

@@ -400,9 +400,9 @@ def run(argv=None) -> int:
     for label, name, opts, seed in scorers:
         scorer = HeadPruner(name, 0, criterion_options=opts)
         t0 = time.perf_counter()
-        scores[label, seed] = scorer.score(base, batches)
+        scores[label, seed] = scorer.score(base, batches)["heads"]
         reports[label if seed is None else f"{label}_seed{seed}"] = {
-            **scorer.criterion.report(),
+            **scorer.parts[0].criterion.report(),
             "options": opts,
             "seconds": round(time.perf_counter() - t0, 2),
         }
@@ -416,16 +416,16 @@ def run(argv=None) -> int:
                 requested = math.floor(amount * total_heads + 0.5)
                 pruner = HeadPruner(stored, requested, mode="global", layout="auto", seed=seed or 0)
                 try:
-                    plan = pruner.select(base)
+                    plan = pruner.select(base)["heads"]
                 except ValueError as err:
                     print(f"  {label} {cut}: cannot select ({err})")
                     continue
             else:
                 requested = sum(lay.num_kv_heads for lay in layouts)
                 pruner = HeadPruner(stored, requested, mode="uniform", layout="q_per_group", seed=seed or 0)
-                plan = pruner.select(base)
+                plan = pruner.select(base)["heads"]
                 # What layout="auto" (the cheapest shape by rank) would have removed instead (reported only).
-                uni = HeadPruner(stored, requested, mode="uniform", layout="auto", seed=seed or 0).select(base)
+                uni = HeadPruner(stored, requested, mode="uniform", layout="auto", seed=seed or 0).select(base)["heads"]
                 uniform_mode[label if seed is None else f"{label}_seed{seed}"] = structure(uni, base)
             arm = {"criterion": label, "seed": seed, "cut": cut, "mode": mode, "requested": requested,
                    **structure(plan, base), "selection": {str(k): v for k, v in plan.items()}}  # fmt: skip

@@ -293,10 +293,10 @@ def prune_arms(run, best_epoch: int, streams, tokenizer, args, device, seed: int
         pruner = HeadPruner(name, args.prune, mode="global", seed=rseed or 0, criterion_options=opts)
         model = copy.deepcopy(base)
         summary = pruner.prune(model, batches)
-        plan = pruner.last_selection
+        plan = pruner.last_selection["heads"]
         ppl = perplexity(model, streams["test"], seq_len=args.seq_len, batch_size=64, device=device,
                          progress=False)["perplexity"]  # fmt: skip
-        report = pruner.criterion.report()
+        report = pruner.parts[0].criterion.report()
         out.append({"criterion": name, "random_seed": rseed, "removed": summary.heads_removed,
                     "selection": {str(k): v for k, v in plan.items()}, "params_before": summary.params_before,
                     "params_after": summary.params_after, "test_ppl": ppl,

@@ -349,7 +349,7 @@ def run(argv=None) -> int:
     for criterion in args.criteria:
         start = time.perf_counter()
         scorer = HeadPruner(criterion, 0, criterion_options=OPTIONS.get(criterion))
-        scores[criterion] = scorer.score(base, bench.score_batches)
+        scores[criterion] = scorer.score(base, bench.score_batches)["heads"]
         score_s[criterion] = round(time.perf_counter() - start, 2)
     print(f"  scores: {', '.join(f'{k} {v:.1f} s' for k, v in score_s.items())}", flush=True)
 

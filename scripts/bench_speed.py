@@ -131,7 +131,7 @@ def cuts(model) -> list[tuple[str, HeadPruner]]:
     """The head cuts as pruners over one set of random scores (layout ``auto`` / uniform shapes per GQA)."""
     adapter = get_adapter(model)
     lays = [adapter.layout(i) for i in range(adapter.num_layers)]
-    scores = StoredScores("random", "heads", HeadPruner("random", 0).score(model))
+    scores = StoredScores("random", "heads", HeadPruner("random", 0).score(model)["heads"])
     out = [(name, HeadPruner(scores, amount, mode="global", layout="auto")) for name, amount in
            (("25%", 0.25), ("50%", 0.50))]  # fmt: skip
     g, h = lays[0].group_size, lays[0].num_heads

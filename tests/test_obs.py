@@ -133,4 +133,4 @@ def test_head_pruner_rounds_report_the_heads_obs_removed():
     assert removed in ({1: [3]}, {1: [0]})  # the copy or its source, not the planned head 1
     assert pruner.last_selection == {"heads": removed}
     assert pruner.report()["selection"] == {"heads": {"1": removed[1]}}
-    assert pruner.report()["per_round"][0]["selection"] == {"1": removed[1]}
+    assert pruner.report()["per_round"][0]["selection"] == {"heads": {"1": removed[1]}}

@@ -352,8 +352,9 @@ def test_arm_pruner_maps_every_part_onto_the_pruner(monkeypatch):
     ]  # fmt: skip
     recipe = validate_recipe({**TINY, "prune": {"arms": arms, "allow_empty_layers": True}})
     heads = pipeline.arm_pruner(None, recipe.prune.arms[0])
-    assert isinstance(heads, sinv_prune.HeadPruner) and heads.criterion.name == "magnitude"
-    assert (heads.amount, heads.mode, heads.layout, heads.rounds) == (2, "uniform", "kv_groups", 2)
+    (part,) = heads.parts
+    assert isinstance(heads, sinv_prune.HeadPruner) and part.criterion.name == "magnitude"
+    assert (part.amount, part.mode, part.layout, heads.rounds) == (2, "uniform", "kv_groups", 2)
     stored = StoredScores("magnitude", "heads", [[1.0, 2.0]], {"note": 1})
     channels = StoredScores("random", "mlp", [[0.5] * 4])  # by name only once criteria take a unit
     assert pipeline.arm_pruner(None, recipe.prune.arms[1], [stored, channels]) == "pruner"

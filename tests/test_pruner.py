@@ -47,10 +47,11 @@ def test_prune_equals_masked_reference(which, criterion, mode):
     pruner = HeadPruner(criterion, 0.5, mode=mode)
     summary = pruner.prune(model, batches=batches)
 
-    assert summary.heads_removed == sum(map(len, pruner.last_selection.values())) > 0
+    heads = pruner.last_selection["heads"]
+    assert summary.heads_removed == sum(map(len, heads.values())) > 0
     assert summary.params_after < summary.params_before
     inputs = model_inputs(7)
-    torch.testing.assert_close(model_output(model, inputs), masked_output(reference, pruner.last_selection, inputs))
+    torch.testing.assert_close(model_output(model, inputs), masked_output(reference, heads, inputs))
     if mode == "uniform":
         assert len(set(model_layouts(model))) == 1
     json.dumps(pruner.report())
@@ -63,14 +64,14 @@ def test_sinv_early_through_the_pruner():
     trace = [{"step": 0, "epoch": 1.0, "C_Q": cq}]
     pruner = HeadPruner("sinv_early", 3, layout="kv_groups", criterion_options={"threshold": 0.05})
     pruner.prune(model, trace=trace)
-    assert pruner.last_selection == {1: [3, 4, 5]}
-    assert pruner.report()["criterion_report"]["crossed"] == 3
+    assert pruner.last_selection == {"heads": {1: [3, 4, 5]}}
+    assert pruner.report()["parts"][0]["criterion_report"]["crossed"] == 3
 
 
 def test_criterion_by_name_instance_and_seed():
     model = tiny_model("gpt2")
-    assert HeadPruner("random", 3, seed=5).criterion.seed == 5
-    assert HeadPruner("random", 3, seed=5, criterion_options={"seed": 1}).criterion.seed == 1
+    assert HeadPruner("random", 3, seed=5).parts[0].criterion.seed == 5
+    assert HeadPruner("random", 3, seed=5, criterion_options={"seed": 1}).parts[0].criterion.seed == 1
     by_name = HeadPruner("random", 3, seed=5).select(model)
     assert by_name == HeadPruner(RandomCriterion(seed=5), 3, seed=5).select(model)
     with pytest.raises(ValueError, match="known criteria"):
@@ -97,9 +98,9 @@ def test_min_heads_zero_may_empty_layers():
     reference = copy.deepcopy(model)
     pruner = HeadPruner(LayerOneLow(), 4, min_heads_per_layer=0)
     pruner.prune(model)
-    assert pruner.last_selection == {1: [0, 1, 2, 3]}
+    assert pruner.last_selection == {"heads": {1: [0, 1, 2, 3]}}
     inputs = model_inputs(3)
-    torch.testing.assert_close(model_output(model, inputs), masked_output(reference, pruner.last_selection, inputs))
+    torch.testing.assert_close(model_output(model, inputs), masked_output(reference, {1: [0, 1, 2, 3]}, inputs))
 
 
 class GroupAlike(Criterion):
@@ -118,8 +119,8 @@ def test_layout_passes_through(layout, amount, kept):
     pruner = HeadPruner(GroupAlike(), amount, mode="uniform", **({"layout": layout} if layout else {}))
     pruner.prune(model)
     assert {(lay.num_heads, lay.num_kv_heads) for lay in model_layouts(model)} == {kept}
-    assert pruner.report()["layout"] == (layout or "q_per_group")
-    assert f"layout={pruner.layout!r}" in repr(pruner)
+    assert pruner.report()["parts"][0]["layout"] == (layout or "q_per_group")
+    assert f"layout={pruner.parts[0].layout!r}" in repr(pruner)
 
 
 def test_docstring_recipe_is_a_valid_arm_of_the_example():
@@ -131,12 +132,13 @@ def test_docstring_recipe_is_a_valid_arm_of_the_example():
     (arm,) = recipe.prune.arms
     example = next(line for line in doc.splitlines() if line.startswith(">>> pruner = "))
     pruner = eval(example.split("=", 1)[1], {"HeadPruner": HeadPruner})  # noqa: S307 - our own docstring
+    (part,) = pruner.parts
     assert (arm.criterion, arm.amount, arm.mode, arm.layout, arm.min_heads_per_layer) == (
-        pruner.criterion.name,
-        pruner.amount,
-        pruner.mode,
-        pruner.layout,
-        pruner.min_heads_per_layer,
+        part.criterion.name,
+        part.amount,
+        part.mode,
+        part.layout,
+        part.min_per_layer,
     )
 
 
@@ -162,7 +164,7 @@ def test_one_round_is_one_shot(which, criterion, amount, mode):
     pruner = HeadPruner(criterion, amount, mode=mode, rounds=1, between_rounds=lambda m, i: calls.append(i))
     summary = pruner.prune(model, batches=batches)
     expected = one_shot(reference, criterion, amount, mode, batches)
-    assert pruner.last_selection == expected and expected
+    assert pruner.last_selection == {"heads": expected} and expected
     assert summary.heads_removed == sum(map(len, expected.values()))
     assert calls == []
     assert model.config.sinv_prune == reference.config.sinv_prune
@@ -205,7 +207,7 @@ def test_rounds_remove_a_fraction_of_the_original_heads_and_report_original_numb
     assert summary.heads_removed == 6 and sum(map(len, model.config.sinv_prune["pruned_heads"].values())) == 6
     union: dict[str, set] = {}
     for entry in per_round:
-        for layer, heads in entry["selection"].items():
+        for layer, heads in entry["selection"]["heads"].items():
             assert not union.setdefault(layer, set()) & set(heads)  # original numbering: never the same head twice
             union[layer] |= set(heads)
     assert {k: sorted(v) for k, v in union.items() if v} == model.config.sinv_prune["pruned_heads"]
@@ -230,9 +232,9 @@ def test_rounds_rescore_after_between_rounds():
 
     pruner = HeadPruner("magnitude", 4, rounds=2, between_rounds=zero_strongest)
     pruner.prune(model)
-    first, second = pruner.report()["per_round"]
-    assert str(strongest[0]) not in first["selection"] or strongest[1] not in first["selection"][str(strongest[0])]
-    assert strongest[1] in second["selection"][str(strongest[0])]
+    first, second = (r["selection"]["heads"] for r in pruner.report()["per_round"])
+    assert str(strongest[0]) not in first or strongest[1] not in first[str(strongest[0])]
+    assert strongest[1] in second[str(strongest[0])]
 
 
 @pytest.mark.parametrize("criterion", ["taylor", "activation", "magnitude"])
@@ -245,11 +247,12 @@ def test_rounds_on_a_pruned_model_equal_the_masked_reference(criterion):
     pruner = HeadPruner(criterion, 6, rounds=3, mode="global")
     summary = pruner.prune(model, batches=batches)
     assert summary.heads_removed == 6 and len(pruner.report()["per_round"]) == 3
-    assert pruner.last_selection == {c.layer: c.removed for c in summary.layers}
+    assert pruner.last_selection == {"heads": {c.layer: c.removed for c in summary.layers}}
     kept = get_record(reference.config).kept_heads
     assert all([kept(c.layer)[h] for h in c.removed] == c.removed_original for c in summary.layers)
     inputs = model_inputs(7)
-    torch.testing.assert_close(model_output(model, inputs), masked_output(reference, pruner.last_selection, inputs))
+    heads = pruner.last_selection["heads"]
+    torch.testing.assert_close(model_output(model, inputs), masked_output(reference, heads, inputs))
 
 
 def test_rounds_errors_before_any_change():
@@ -394,7 +397,8 @@ def test_heads_only_pruner_is_head_pruner():
     summary = pruner.prune(model, batches=batches)
     expected = HeadPruner("taylor", 6, mode="uniform", rounds=2)
     expected_summary = expected.prune(reference, batches=batches)
-    assert pruner.last_selection == {"heads": expected.last_selection}
+    assert pruner.last_selection == expected.last_selection
+    assert pruner.report()["per_round"] == expected.report()["per_round"]
     assert summary.to_dict() == expected_summary.to_dict()
     reference_state = reference.state_dict()
     assert all(torch.equal(t, reference_state[k]) for k, t in model.state_dict().items())

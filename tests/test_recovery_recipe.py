@@ -59,7 +59,7 @@ def test_arms_record_compensation_and_rounds(recovery_run):
     rounds = arms["activation-4-global-bias-r2"]
     assert rounds["rounds"] == 2 and len(rounds["per_round"]) == 2
     assert all(r["compensation"]["method"] == "bias" for r in rounds["per_round"])
-    per_round = [{(int(k), h) for k, hs in r["selection"].items() for h in hs} for r in rounds["per_round"]]
+    per_round = [{(int(k), h) for k, hs in r["selection"]["heads"].items() for h in hs} for r in rounds["per_round"]]
     assert not per_round[0] & per_round[1]
     assert per_round[0] | per_round[1] == {(int(k), h) for k, hs in rounds["removed"].items() for h in hs}
     assert rounds["heads_removed"] == 4
@@ -132,7 +132,8 @@ def test_head_pruner_compensates_like_prune_heads(arch):
     pruner = HeadPruner("magnitude", 2 if arch == "gpt2" else 3, compensate="lsq", compensation_options={"ridge": 0.5})
     reference = copy.deepcopy(model)
     summary = pruner.prune(model, calibration=calibration())
-    sinv_prune.prune_heads(reference, pruner.last_selection, calibration=calibration(), compensate="lsq", ridge=0.5)
+    heads = pruner.last_selection["heads"]
+    sinv_prune.prune_heads(reference, heads, calibration=calibration(), compensate="lsq", ridge=0.5)
     assert summary.compensation is not None and summary.compensation.ridge == 0.5
     torch.testing.assert_close(model_output(model, model_inputs()), model_output(reference, model_inputs()))
 

@@ -436,7 +436,7 @@ def stored_criteria(arm: ArmSpec, scores: dict) -> list[Criterion | None]:
 
 def arm_heads(run: Run, arm: ArmSpec, scores: dict) -> dict[int, list[int]]:
     """The heads a single-part heads arm removes from the base model, given stage ``score``'s scores."""
-    return arm_pruner(run, arm, stored_criteria(arm, scores)).select(run.base)
+    return arm_pruner(run, arm, stored_criteria(arm, scores)).select(run.base)[arm.part_specs[0].unit]
 
 
 def fresh_base(run: Run):

@@ -2,7 +2,7 @@
 
 :class:`Pruner` cuts any mix of attention heads, MLP channels and whole layers (one
 :class:`Part` per unit) with ONE call to :func:`sinv_prune.surgery.removal.prune`;
-:class:`HeadPruner` is the heads-only form.
+:class:`HeadPruner` is its heads-only signature.
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ class Pruner:
             removal["allow_empty_layers"] = True
         if self.compensate is not None:
             removal.update(calibration=calibration, compensate=self.compensate, **self.compensation_options)
-        if self.rounds > 1 or self.heads_only:
+        if self.rounds > 1:
             return self._prune_rounds(model, batches, trace, calibration, removal)
         start = Geometry.of(model, self._units)
         plan = self.select(model, batches=batches, trace=trace, calibration=calibration)  # raises before any change
@@ -329,16 +329,11 @@ class Pruner:
         self.last_rounds = [self._round_entry(0, _plan_counts(plan), summary, start)]
         return summary
 
-    @property
-    def heads_only(self) -> bool:
-        """One heads part: rounds report in the heads-only shape (``HeadPruner``'s)."""
-        return len(self.parts) == 1 and self.parts[0].kind is HEADS
-
     def _prune_rounds(self, model, batches, trace, calibration, removal) -> PruneSummary:
         """In ``rounds`` rounds to the one-shot plan's totals (see the class docstring)."""
-        if self.rounds > 1 and batches is not None and iter(batches) is batches:
+        if batches is not None and iter(batches) is batches:
             batches = list(batches)  # every round iterates them again
-        if self.rounds > 1 and "calibration" in removal and iter(calibration) is calibration:
+        if "calibration" in removal and iter(calibration) is calibration:
             removal["calibration"] = list(calibration)
         start = Geometry.of(model, self._units)
         first = self.select(model, batches=batches, trace=trace, calibration=calibration)  # raises before any change
@@ -346,17 +341,14 @@ class Pruner:
         summaries: list[PruneSummary] = []
         self.last_rounds = []
         for index in range(self.rounds):
-            if self.rounds == 1:
-                plan, requested, before = first, totals, start  # exactly one-shot
-            else:
-                if index and not self._left(model, start, totals):
-                    break
-                if index:
-                    if self.between_rounds is not None:
-                        self.between_rounds(model, index - 1)
-                    self.score(model, batches, trace)
-                before = Geometry.of(model, self._units)
-                plan, requested = self._round_plan(model, start, before, totals, self.rounds - index)
+            if index and not self._left(model, start, totals):
+                break
+            if index:
+                if self.between_rounds is not None:
+                    self.between_rounds(model, index - 1)
+                self.score(model, batches, trace)
+            before = Geometry.of(model, self._units)
+            plan, requested = self._round_plan(model, start, before, totals, self.rounds - index)
             if not any(requested.values()):
                 break
             if not any(plan.values()):
@@ -364,7 +356,7 @@ class Pruner:
                 break
             summaries.append(surgery.prune(model, plan, **removal))
             self.last_rounds.append(self._round_entry(index, requested, summaries[-1], before))
-        short = self._left(model, start, totals) if self.rounds > 1 else {}
+        short = self._left(model, start, totals)
         if short:
             logger.warning("sinv_prune: %d rounds left %s of the one-shot totals %s uncut (granularity)",
                            self.rounds, short, totals)  # fmt: skip
@@ -413,7 +405,7 @@ class Pruner:
         OBS compensation chooses its own units."""
         entry = {
             "round": index,
-            "requested": requested.get(self.parts[0].unit, 0) if self.heads_only else dict(requested),
+            "requested": dict(requested),
             "heads_removed": summary.heads_removed,
             "channels_removed": summary.channels_removed,
             "layers_removed": summary.layers_removed,
@@ -425,12 +417,8 @@ class Pruner:
             else:
                 items = before.kept[unit]
                 selection[unit] = {str(orig[i]): [items[orig[i]][x] for x in xs] for i, xs in removed.items()}
-        if self.heads_only:
-            part = self.parts[0]
-            entry.update(selection=selection[part.unit], criterion_report=part.criterion.report())
-        else:
-            entry["selection"] = selection
-            entry["criterion_report"] = {p.unit: p.criterion.report() for p in self.parts}
+        entry["selection"] = selection
+        entry["criterion_report"] = {p.unit: p.criterion.report() for p in self.parts}
         entry["compensation"] = summary.compensation.to_dict() if summary.compensation is not None else None
         return entry
 
@@ -448,10 +436,10 @@ class Pruner:
         }
 
     def __repr__(self) -> str:
-        return f"Pruner({self.parts!r}, rounds={self.rounds})"
+        return f"{type(self).__name__}({self.parts!r}, rounds={self.rounds})"
 
 
-class HeadPruner:
+class HeadPruner(Pruner):
     """Criterion + selection + :func:`~sinv_prune.prune_heads` in one object (a :class:`Pruner` with one heads part).
 
     ``criterion`` is a registered name (built with ``criterion_options``; a criterion
@@ -460,8 +448,9 @@ class HeadPruner:
     ``min_heads_per_layer``, ``seed`` and ``exact`` mean what they mean in
     :func:`~sinv_prune.scoring.selection.select_heads`; ``min_heads_per_layer=0`` lets layers
     lose every head (``prune`` then passes ``allow_empty_layers=True``; a recipe asks for
-    that with ``prune.allow_empty_layers: true``). After a call, ``last_scores``,
-    ``last_selection`` and ``report()`` tell what was decided.
+    that with ``prune.allow_empty_layers: true``). It is a :class:`Pruner` (one ``Part("heads", ...)``)
+    in everything but its signature: ``score``, ``select``, ``last_scores``, ``last_selection`` and
+    ``report()`` are keyed by unit (``{"heads": ...}``), in the one report shape of every pruner.
 
     **Iterative pruning.** ``rounds=k`` reaches the amount in ``k`` rounds, each re-scoring the
     already-pruned model (``batches`` are iterated once per round; a one-shot iterator is read
@@ -487,7 +476,7 @@ class HeadPruner:
 
     ``rounds=1`` (default) is exactly one-shot pruning. ``prune`` returns one summary of all
     rounds (``removed`` numbered as the model had its heads when ``prune`` was called);
-    ``last_selection`` is the same selection, and ``report()["per_round"]`` lists each round's
+    ``last_selection["heads"]`` is the same selection, and ``report()["per_round"]`` lists each round's
     selection in the original (unpruned) numbering of the pruning record.
 
     >>> pruner = HeadPruner("taylor", 0.25, mode="uniform", layout="q_per_group")
@@ -521,104 +510,12 @@ class HeadPruner:
         between_rounds: RoundHook | None = None,
         compensate: str | None = None,
         compensation_options: Mapping[str, Any] | None = None,
+        quiet: bool = False,
     ):
-        part = Part(
-            HEADS.name,
-            criterion,
-            amount,
-            mode=mode,
-            criterion_options=criterion_options,
-            layout=layout,
-            min_per_layer=min_heads_per_layer,
-            seed=seed,
-            exact=exact,
-        )
-        self._pruner = Pruner(
-            [part],
-            rounds=rounds,
-            between_rounds=between_rounds,
-            compensate=compensate,
-            compensation_options=compensation_options,
-        )
-        self._part = part
-
-    # The settings, read from the one heads part and the pruner behind it.
-    criterion = property(lambda self: self._part.criterion)
-    amount = property(lambda self: self._part.amount)
-    mode = property(lambda self: self._part.mode)
-    layout = property(lambda self: self._part.layout)
-    min_heads_per_layer = property(lambda self: self._part.min_per_layer)
-    seed = property(lambda self: self._part.seed)
-    exact = property(lambda self: self._part.exact)
-    rounds = property(lambda self: self._pruner.rounds)
-    between_rounds = property(lambda self: self._pruner.between_rounds)
-    compensate = property(lambda self: self._pruner.compensate)
-    compensation_options = property(lambda self: self._pruner.compensation_options)
-    last_rounds = property(lambda self: self._pruner.last_rounds)
-
-    @property
-    def last_scores(self) -> Scores | None:
-        scores = self._pruner.last_scores
-        return None if scores is None else scores[HEADS.name]
-
-    @property
-    def last_selection(self) -> dict[int, list[int]] | None:
-        plan = self._pruner.last_selection
-        return None if plan is None else plan[HEADS.name]
-
-    def score(
-        self, model: nn.Module, batches: Iterable[Mapping[str, Any]] | None = None, trace: TraceLike | None = None
-    ) -> Scores:
-        """The criterion's scores for ``model`` (higher = keep), shaped like ``C_Q``."""
-        return self._pruner.score(model, batches, trace)[HEADS.name]
-
-    def select(
-        self,
-        model: nn.Module,
-        scores: Scores | None = None,
-        *,
-        batches: Iterable[Mapping[str, Any]] | None = None,
-        trace: TraceLike | None = None,
-    ) -> dict[int, list[int]]:
-        """Heads to remove, ``{layer: [heads]}``; scores are computed unless given."""
-        given = None if scores is None else {HEADS.name: scores}
-        return self._pruner.select(model, given, batches=batches, trace=trace)[HEADS.name]
-
-    def prune(
-        self,
-        model: nn.Module,
-        batches: Iterable[Mapping[str, Any]] | None = None,
-        trace: TraceLike | None = None,
-        calibration: Iterable[Mapping[str, Any]] | None = None,
-    ) -> PruneSummary:
-        """Score, select and remove the heads from ``model`` in place, in ``rounds`` rounds.
-
-        With ``compensate`` set, every round's removal is compensated from ``calibration``
-        (see :func:`~sinv_prune.prune_heads`); a missing ``calibration`` raises before any change.
-        """
-        return self._pruner.prune(model, batches, trace, calibration)
-
-    def report(self) -> dict:
-        """The criterion's report plus the last selection (JSON-serialisable)."""
-        return {
-            "criterion": self.criterion.name,
-            "criterion_report": self.criterion.report(),
-            "amount": self.amount,
-            "mode": self.mode,
-            "layout": self.layout,
-            "min_heads_per_layer": self.min_heads_per_layer,
-            "seed": self.seed,
-            "rounds": self.rounds,
-            "compensate": self.compensate,
-            "selection": {str(k): v for k, v in (self.last_selection or {}).items()},
-            "per_round": self.last_rounds,
-        }
-
-    def __repr__(self) -> str:
-        return (
-            f"HeadPruner({self.criterion!r}, amount={self.amount!r}, mode={self.mode!r}, layout={self.layout!r}, "
-            f"min_heads_per_layer={self.min_heads_per_layer}, seed={self.seed}, rounds={self.rounds})"
-        )
+        part = Part(HEADS.name, criterion, amount, mode=mode, criterion_options=criterion_options, layout=layout,
+                    min_per_layer=min_heads_per_layer, seed=seed, exact=exact)  # fmt: skip
+        super().__init__([part], rounds=rounds, between_rounds=between_rounds, compensate=compensate,
+                         compensation_options=compensation_options, quiet=quiet)  # fmt: skip
 
 
 def _plan_json(plan: Plan) -> dict:
