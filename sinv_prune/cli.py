@@ -424,6 +424,7 @@ def info(source: str) -> None:
     from transformers import AutoConfig
 
     from sinv_prune.surgery.record import get_record
+    from sinv_prune.units import units
 
     path = _model_source(source)
     try:
@@ -438,14 +439,11 @@ def info(source: str) -> None:
         "stock class, no remote code" if record.stock_layout else "sinv_prune.from_pretrained or trust_remote_code=True"
     )
     click.echo(f"{path}: {record.base_class}, {record.num_layers} layers x {record.num_heads} heads ({route})")
-    mlp = bool(record.pruned_mlp)
+    kinds = units()  # whole-layer units first: a removed block's line says only that
     for layer in range(record.num_layers):
-        if layer in record.removed_layers:
-            click.echo(f"  layer {layer:>3}: removed (the whole block)")
-            continue
-        removed = sorted(record.pruned_heads.get(layer, []))
-        channels = f"  MLP channels kept {len(record.kept_channels(layer))}/{record.intermediate_size}" if mlp else ""
-        click.echo(f"  layer {layer:>3}: kept {record.num_heads - len(removed):>3}  removed {removed}{channels}")
+        gone = next((text for kind in kinds if kind.whole_layers and (text := kind.info(record, layer))), "")
+        text = gone or "".join(kind.info(record, layer) for kind in kinds if not kind.whole_layers)
+        click.echo(f"  layer {layer:>3}: {text}")
 
 
 def _model_source(source: str, gguf_file: str | None = None) -> str:

@@ -251,6 +251,58 @@ def test_toy_unit_runs_as_a_recipe_arm(pairs):
     assert summary.channels_removed == 4 and sum(map(len, pruner.last_selection["channel_pairs"].values())) == 2
 
 
+class NamedPairs(ChannelPairs):
+    """The toy unit with its own words in ``sinv-prune info`` and the Hub card (saved as MLP channels)."""
+
+    record_field = "pruned_mlp"
+    card_label = "Pairs"
+
+    def info(self, record, layer):
+        return f"  pairs gone {len(self.recorded(record).get(layer, [])) // 2}"
+
+    def card_text(self, record):
+        return f"{sum(map(len, self.recorded(record).values())) // 2} channel pairs gone"
+
+
+def test_info_and_the_card_iterate_over_registered_units(tmp_path):
+    from click.testing import CliRunner
+
+    from sinv_prune.cli import main
+    from sinv_prune.hub.model_card import model_card
+
+    unit = register_unit(NamedPairs())
+    try:
+        model = tiny_model("gpt2")
+        summary = sinv_prune.prune(model, {"channel_pairs": {0: [1, 4]}, "layers": [2]})
+        model.save_pretrained(tmp_path)
+        info = CliRunner().invoke(main, ["info", str(tmp_path)])
+        card = model_card(model.config, repo_id="me/tiny")
+        removed = {name: summary.removed(name) for name in ("channel_pairs", "layers")}
+    finally:
+        unregister_unit(unit.name)
+    assert info.exit_code == 0, info.output
+    assert "layer   0: kept   4  removed []  MLP channels kept 124/128  pairs gone 2" in info.output
+    assert "layer   2: removed (the whole block)" in info.output
+    assert "- **Depth, MLP and Pairs:** 1 whole blocks removed (original layers [2]); 124 to 128 of 128 MLP " in card
+    assert "per remaining layer; 2 channel pairs gone." in card
+    assert removed == {"channel_pairs": {0: [1, 4]}, "layers": [2]}
+
+
+def test_each_unit_names_the_saved_record_field_it_writes(tmp_path):
+    """The record's JSON keys stay what they were; each unit reads its own back (``recorded``) after a reload."""
+    model = tiny_model("gpt2")
+    plan = {"heads": {0: [1]}, "mlp": {1: [0, 5]}, "layers": [2]}
+    summary = sinv_prune.prune(model, plan)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["sinv_prune"]
+    record = get_record(sinv_prune.from_pretrained(tmp_path).config)
+    for name in unit_names():
+        unit = get_unit(name)
+        assert {"heads": "pruned_heads", "mlp": "pruned_mlp", "layers": "removed_layers"}[name] == unit.record_field
+        assert unit.to_json(unit.recorded(record)) == saved[unit.record_field] == unit.to_json(plan[name])
+        assert summary.removed(name) == plan[name]
+
+
 def test_a_criterion_for_the_toy_unit_is_refused_for_another(pairs):
     with pytest.raises(ValueError, match="does not score 'mlp'"):
         get_criterion("pair_norm", unit="mlp")

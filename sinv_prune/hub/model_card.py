@@ -22,6 +22,8 @@ from sinv_prune.pipeline.report import gguf_cell, speed_cell
 from sinv_prune.pipeline.report_tasks import pins_text, task_cell, task_header, task_names, task_pins
 from sinv_prune.surgery.checkpoint import _AUTO_MAPPINGS, PREFIX
 from sinv_prune.surgery.record import get_record
+from sinv_prune.units import units
+from sinv_prune.units.heads import HEADS
 from sinv_prune.version import __version__
 
 TAGS = ["sinv-prune", "pruned", "attention-head-pruning"]
@@ -124,7 +126,8 @@ def _summary(config, record, base_class, base_id, recipe, row, stage, params, pa
     if record is None:
         return [f"A `{base_class}` checkpoint pushed with sinv_prune {__version__}. It was **not pruned**: "
                 "its config has no sinv_prune pruning record.", ""]  # fmt: skip
-    removed = sum(len(v) for v in record.pruned_heads.values())
+    heads = HEADS.recorded(record)  # the card's headline: attention heads, whatever else went
+    removed = sum(len(v) for v in heads.values())
     total = record.num_layers * record.num_heads
     lines = [
         f"{_base_phrase(base_class, base_id, recipe)} with **{removed} of its {total} attention heads removed** "
@@ -145,17 +148,16 @@ def _summary(config, record, base_class, base_id, recipe, row, stage, params, pa
         lines.append(f"- **Parameters:** {params_before:,} before, {params:,} after ({change:+.2f}%).")
     elif params is not None:
         lines.append(f"- **Parameters:** {params:,} after pruning.")
-    kept = sorted({record.num_heads - len(record.pruned_heads.get(i, [])) for i in range(record.num_layers)})
+    kept = sorted({record.num_heads - len(heads.get(i, [])) for i in range(record.num_layers)})
     per_layer = f"{kept[0]}" if len(kept) == 1 else f"{kept[0]} to {kept[-1]}"
     kv = f", {record.num_kv_heads} KV heads originally" if record.num_kv_heads != record.num_heads else ""
     lines.append(f"- **Shape:** {record.num_layers} layers, {per_layer} of {record.num_heads} heads kept per layer "
                  f"(head dim {record.head_dim}{kv}).")  # fmt: skip
-    if record.removed_layers or record.pruned_mlp:
-        widths = sorted({len(record.kept_channels(i)) for i in record.kept_layers()})
-        width = f"{widths[0]}" if len(widths) == 1 else f"{widths[0]} to {widths[-1]}"
-        lines.append(f"- **Depth and MLP:** {len(record.removed_layers)} whole blocks removed "
-                     f"(original layers {record.removed_layers or 'none'}); {width} of {record.intermediate_size} "
-                     "MLP channels kept per remaining layer.")  # fmt: skip
+    others = [kind for kind in units() if kind.card_label]  # every unit the headline does not cover
+    if any(kind.recorded(record) for kind in others):
+        labels = [kind.card_label for kind in others]
+        label = " and ".join([", ".join(labels[:-1]), labels[-1]]) if len(labels) > 1 else labels[0]
+        lines.append(f"- **{label}:** " + "; ".join(kind.card_text(record) for kind in others) + ".")
     return lines + [""]
 
 
@@ -177,7 +179,7 @@ def _removed_table(record) -> list[str]:
              "whatever order the pruning happened in. The same record is in `config.json` under `sinv_prune`.", "",
              "| layer | heads kept | removed heads |", "| ---: | ---: | --- |"]  # fmt: skip
     for layer in range(record.num_layers):
-        removed = sorted(record.pruned_heads.get(layer, []))
+        removed = sorted(HEADS.recorded(record).get(layer, []))
         shown = ", ".join(str(h) for h in removed) or "-"
         lines.append(f"| {layer} | {record.num_heads - len(removed)} | {shown} |")
     return lines + [""]

@@ -591,7 +591,7 @@ def _gone(then: list[int], now: list[int]) -> tuple[list[int], list[int]]:
 
 def _summary_plan(summary: PruneSummary, names: Sequence[str]) -> Plan:
     """What a summary removed of the units ``names``, numbered as the model was before it."""
-    return {name: get_unit(name).removed(summary) for name in names}
+    return {name: summary.removed(name) for name in names}
 
 
 def _combine(model: nn.Module, summaries: list[PruneSummary], start: Geometry) -> PruneSummary:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -39,7 +40,8 @@ class PruneSummary:
 
     ``layers`` holds the head changes and ``mlp`` the channel changes, both keyed by the layer
     numbering before the call; ``removed_layers`` / ``removed_layers_original`` name the dropped
-    blocks in that numbering and in the original one.
+    blocks in that numbering and in the original one. ``removed(unit)`` reads any registered unit's
+    entry (the unit's ``summary_field``), so code iterating over units need not know these fields.
     """
 
     layers: list[LayerChange]
@@ -61,6 +63,11 @@ class PruneSummary:
     @property
     def layers_removed(self) -> int:
         return len(self.removed_layers)
+
+    def removed(self, unit: str) -> Any:
+        """What the registered ``unit`` lost, as its plan entry numbered as the model was before the call
+        (``{layer: [items]}``; a whole-layer unit: ``[layers]``); each unit names the field it reads."""
+        return get_unit(unit).removed(self)
 
     def to_dict(self) -> dict:
         data = {

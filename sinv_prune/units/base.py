@@ -13,8 +13,10 @@ registered units (:mod:`sinv_prune.units.registry`) instead of naming them:
 * ``validate``: a plan entry checked on the model (one-line ``ValueError``), nothing changed;
 * ``cut`` / ``touched`` / ``rechoose`` / ``compensation_cuts``: the cut through the adapter, what the
   rollback snapshots, what OBS may re-choose and what compensation refits;
-* ``record_cut`` / ``summary_field`` / ``removed`` / ``change`` / ``original_items``: the unit's entry in
-  the pruning record and the summary, and its items in original numbering (rounds).
+* ``record_cut`` / ``record_field`` / ``recorded`` / ``summary_field`` / ``removed`` / ``change`` /
+  ``original_items``: the unit's entry in the pruning record and the summary, and its items in original
+  numbering (rounds);
+* ``info`` / ``card_label`` / ``card_text``: its words in ``sinv-prune info`` and the Hub card.
 
 Whole-layer units (``whole_layers``) are dropped by the removal itself after the per-layer cuts.
 """
@@ -135,6 +137,30 @@ class Unit(ABC):
         """The summary change of ``layer`` (numbering before) that lost ``where`` (``gone`` in original numbering);
         it is current layer ``now`` and keeps ``kept``."""
         raise ValueError(f"unit {self.name!r} has no changes per layer")
+
+    # -- the pruning record (original numbering) ------------------------------------------------
+
+    #: The :class:`~sinv_prune.surgery.record.PruningRecord` field (and JSON key) this unit's cuts are saved under.
+    record_field: ClassVar[str] = ""
+
+    def recorded(self, record) -> Any:
+        """What the pruning ``record`` says this unit lost, original numbering: ``{layer: [items]}`` (a
+        whole-layer unit: ``[layers]``)."""
+        if not self.record_field:
+            raise ValueError(f"unit {self.name!r} names no pruning record field")
+        return getattr(record, self.record_field)
+
+    def info(self, record, layer: int) -> str:
+        """This unit's part of ``sinv-prune info``'s line for original ``layer`` (``""``: nothing to say); a
+        whole-layer unit's non-empty text is the whole line."""
+        return ""
+
+    #: The word the Hub card's summary line gives this unit (``""``: the unit is not in that line).
+    card_label: ClassVar[str] = ""
+
+    def card_text(self, record) -> str:
+        """This unit's phrase in the Hub card's summary line (when ``card_label`` is set)."""
+        return ""
 
     def removed(self, summary) -> Any:
         """What a :class:`~sinv_prune.surgery.removal.PruneSummary` says this unit lost, as a plan entry."""

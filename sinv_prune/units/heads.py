@@ -101,6 +101,11 @@ class HeadsUnit(Unit):
 
     summary_field = "layers"
     described = "heads"
+    record_field = "pruned_heads"
+
+    def info(self, record, layer):
+        removed = sorted(self.recorded(record).get(layer, []))
+        return f"kept {record.num_heads - len(removed):>3}  removed {removed}"
 
     def touched(self, adapter: HeadAdapter, layer: int) -> list[nn.Module]:
         return adapter.touched_modules(layer)

@@ -42,6 +42,16 @@ class LayersUnit(Unit):
     def validate(self, model, adapter, entry, *, allow_empty_layers=False):
         return plan_layers(model, adapter, entry or [])
 
+    record_field = "removed_layers"
+    card_label = "Depth"
+
+    def info(self, record, layer):
+        return "removed (the whole block)" if layer in self.recorded(record) else ""
+
+    def card_text(self, record):
+        removed = self.recorded(record)
+        return f"{len(removed)} whole blocks removed (original layers {removed or 'none'})"
+
 
 def layer_scores(scores, layers: int) -> list:
     """Layer scores checked to have one entry per layer."""

@@ -112,6 +112,18 @@ class MlpUnit(Unit):
 
     summary_field = "mlp"
     described = "MLP channels"
+    record_field = "pruned_mlp"
+    card_label = "MLP"
+
+    def info(self, record, layer):
+        if not self.recorded(record):
+            return ""
+        return f"  MLP channels kept {len(record.kept_channels(layer))}/{record.intermediate_size}"
+
+    def card_text(self, record):
+        widths = sorted({len(record.kept_channels(i)) for i in record.kept_layers()})
+        width = f"{widths[0]}" if len(widths) == 1 else f"{widths[0]} to {widths[-1]}"
+        return f"{width} of {record.intermediate_size} MLP channels kept per remaining layer"
 
     def check_compensation(self, model, adapter, checked, compensate) -> None:
         if compensate != "bias":
