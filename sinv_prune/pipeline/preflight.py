@@ -13,6 +13,7 @@ from pathlib import Path
 from sinv_prune.arch.base import HeadAdapter, HeadLayout
 from sinv_prune.pipeline.recipe import Recipe, RecipeError, first_line
 from sinv_prune.pipeline.starting_model import is_masked_lm, meta_adapter
+from sinv_prune.scoring.amounts import check_met
 from sinv_prune.units import get_unit
 
 
@@ -132,53 +133,11 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
 
 def check_amount(part, adapter: HeadAdapter, where: str) -> None:
     """Whether the starting model has what ``part`` asks to remove (from its config: meta weights)."""
-    amount = part.amount
-    if isinstance(amount, dict) or part.allocation != "uniform":
-        amount = _check_params_amount(part, adapter, where)
-        if amount is None:
-            return
-    options = {"mode": part.mode, **part.part_options()}
     try:
-        get_unit(part.unit).check_amount(adapter, amount, options)
+        check_met(adapter, part.unit, part.amount, mode=part.mode, allocation=part.allocation,
+                  options=part.part_options())  # fmt: skip
     except ValueError as err:
         raise RecipeError(f"{where}: {first_line(err)}") from None
-
-
-def _check_params_amount(part, adapter: HeadAdapter, where: str) -> int | None:
-    """A ``{params: f}`` amount or a non-uniform allocation, checked on the meta model.
-
-    Returns the unit count the selection's own modes will get (``uniform`` allocation), else None.
-    """
-    from sinv_prune.scoring.allocation import groups_for
-    from sinv_prune.scoring.pruner import _Budget
-
-    model, layers = adapter.model, list(range(adapter.num_layers))
-    budget = _Budget(model)
-    kind = get_unit(part.unit)
-    if kind.whole_layers:
-        count = budget.units(part.amount, part.unit, layers)
-        if count >= len(layers):
-            raise RecipeError(f"{where}: {count} layers requested, the model has {len(layers)} (one must stay)")
-        if count == 0:
-            raise RecipeError(f"{where}: {part.amount['params']:g} of the parameters is less than one layer")
-        return None
-    if part.allocation == "uniform":
-        count = budget.units(part.amount, part.unit, layers)
-        if count == 0:
-            raise RecipeError(f"{where}: {part.amount['params']:g} of the parameters is less than one {part.unit} unit")
-        return count
-    sizes, options = kind.sizes(model), part.part_options()
-    try:
-        groups = groups_for(model, part.unit, [[0.0] * n for n in sizes], layers,
-                            min_per_layer=options.get("min_per_layer"), multiple=options.get("multiple", 1),
-                            shape=part.layout)  # fmt: skip
-        target = budget.params(part.amount, part.unit, layers)
-    except ValueError as err:
-        raise RecipeError(f"{where}: {first_line(err)}") from None
-    most = sum(g.allowed[-1] * g.cost for g in groups)
-    if target > most:
-        raise RecipeError(f"{where}: {target:,} parameters requested, the constraints let at most {most:,} go")
-    return None
 
 
 def _check_criterion(lookup, name: str, where: str) -> None:

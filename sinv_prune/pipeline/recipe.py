@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from sinv_prune.scoring.amounts import check_amount
 from sinv_prune.units import get_unit, unit_names
 from sinv_prune.units import units as registered_units
 from sinv_prune.units.heads import HEADS
@@ -431,12 +432,7 @@ def _registered_unit(v: str) -> str:
 
 def _positive_amount(v):
     if isinstance(v, dict):
-        if set(v) != {"params"}:
-            raise ValueError(f"an amount mapping takes one key, params (a fraction of the parameters), got {sorted(v)}")
-        f = v["params"]
-        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < 1:
-            raise ValueError(f"amount.params is a fraction in (0, 1) of the non-embedding parameters, got {f!r}")
-        return {"params": float(f)}
+        return check_amount(v)  # the bounds Part takes
     if isinstance(v, bool) or v <= 0:
         raise ValueError("amount must be a positive count or a fraction in (0, 1)")
     if isinstance(v, float) and not v.is_integer() and v >= 1:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,9 +17,10 @@ from typing import Any
 from torch import nn
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.scoring.allocation import Context, allocate, check_allocation, groups_for, non_embedding_parameters
+from sinv_prune.scoring.allocation import Context, allocate, check_allocation, groups_for
+from sinv_prune.scoring.amounts import _Budget, check_amount, check_met
 from sinv_prune.scoring.criteria import Criterion, Scores, TraceLike, criterion_class, get_criterion
-from sinv_prune.scoring.selection import DEFAULT_LAYOUT, MODES, _count, check_layout
+from sinv_prune.scoring.selection import DEFAULT_LAYOUT, MODES, check_layout
 from sinv_prune.surgery import compensation
 from sinv_prune.surgery import removal as surgery
 from sinv_prune.surgery.record import get_record
@@ -110,6 +110,15 @@ class Part:
     def kind(self):
         """The part's :class:`~sinv_prune.units.base.Unit`."""
         return get_unit(self.unit)
+
+    def check_met(self, model: nn.Module) -> None:
+        """Whether ``model`` (meta weights will do) has the amount this part asks for, under its settings: the
+        check a recipe's preflight runs on every arm (:func:`~sinv_prune.scoring.amounts.check_met`)."""
+        options = {key: getattr(self, key) for key in self.kind.settings}
+        if self.min_per_layer is not None:
+            options["min_per_layer"] = self.min_per_layer
+        check_met(get_adapter(model), self.unit, self.amount, mode=self.mode, allocation=self.allocation or "uniform",
+                  options=options)  # fmt: skip
 
     def report(self) -> dict:
         """The part's settings and its criterion's report (JSON-serialisable)."""
@@ -616,57 +625,3 @@ def _combine(model: nn.Module, summaries: list[PruneSummary], start: Geometry) -
                 changes.append(kind.change(adapter, before, where, gone, position[orig], end.kept[name][orig]))
         setattr(combined, kind.summary_field, changes)
     return combined
-
-
-def check_amount(amount):
-    """An int count, a float fraction, or ``{"params": fraction}`` of the non-embedding parameters."""
-    if isinstance(amount, Mapping):
-        if set(amount) != {"params"}:
-            raise ValueError(f"an amount mapping takes one key, 'params' (a fraction), got {sorted(amount)}")
-        value = amount["params"]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) < 1.0:
-            raise ValueError(f"amount params is a fraction in [0, 1) of the non-embedding parameters, got {value!r}")
-        return {"params": float(value)}
-    return amount
-
-
-class _Budget:
-    """Turns a part's amount into units or parameters on ``model`` (as it is before the cut)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self._total: int | None = None
-
-    @property
-    def non_embedding(self) -> int:
-        if self._total is None:
-            self._total = non_embedding_parameters(self.model)
-        return self._total
-
-    def _cost(self, unit: str, kept: list[int]) -> int:
-        """One item's parameters: a whole layer's those of the first layer kept; else the cheapest layer's."""
-        kind = get_unit(unit)
-        if kind.whole_layers:
-            return max(kind.cost(self.model, kept[0]), 1) if kept else 1
-        costs = [kind.cost(self.model, i) for i in kept]
-        costs = [c for c in costs if c]
-        return min(costs) if costs else 1
-
-    def _target(self, amount) -> int:
-        return math.floor(amount["params"] * self.non_embedding)
-
-    def units(self, amount, unit: str, kept: list[int]):
-        """A unit count for the selection's own modes: the params target over one unit's parameters, rounded down
-        (whole layers: the most layers whose parameters do not exceed the target)."""
-        if not isinstance(amount, Mapping):
-            return amount
-        return self._target(amount) // self._cost(unit, kept)
-
-    def params(self, amount, unit: str, kept: list[int]) -> int:
-        """A parameter target for an allocation: ``{"params": f}`` directly, a count / fraction times a unit's cost."""
-        if isinstance(amount, Mapping):
-            return self._target(amount)
-        kind = get_unit(unit)
-        sizes = kind.sizes(self.model)
-        count = _count(amount, sum(sizes[i] for i in kept), kind.plural, f"a {kind.noun} count")
-        return count * self._cost(unit, kept)
