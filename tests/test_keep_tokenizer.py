@@ -38,6 +38,15 @@ def test_a_pruned_copy_saves_itself_and_the_tokenizer_it_was_loaded_with(tmp_pat
     assert loaded("w3 w7")["input_ids"] == [3, 7]
 
 
+def test_a_pickled_model_still_saves_itself_with_its_tokenizer(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "src")
+    word_tokenizer().save_pretrained(tmp_path / "src")
+    torch.save(sinv_prune.from_pretrained(tmp_path / "src"), tmp_path / "model.pt")
+    model = torch.load(tmp_path / "model.pt", weights_only=False)
+    model.save_pretrained(tmp_path / "out")
+    assert has_tokenizer(tmp_path / "out") and (tmp_path / "out" / "config.json").is_file()
+
+
 def test_no_tokenizer_where_the_source_had_none_and_no_reference_cycle(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path / "src")
     model = sinv_prune.from_pretrained(tmp_path / "src")

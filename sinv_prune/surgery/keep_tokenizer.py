@@ -58,6 +58,9 @@ class _SaveWithTokenizer:
             raise ReferenceError("the model this save_pretrained belonged to is gone")
         return _save_with_tokenizer(model, save_directory, *args, **kwargs)
 
+    def __reduce__(self):  # pickle memoizes the model before its state, so this refers back to it
+        return (_SaveWithTokenizer, (self._model(),))
+
     def __deepcopy__(self, memo):
         model = self._model()
         twin = memo.get(id(model)) if model is not None else None
