@@ -2,10 +2,11 @@
 
 Two models, SmolLM2-135M unpruned and the uniform cut of issue 27 (query heads 0, 3, 6 and MLP
 channels 0-255 removed in every layer), each exported at every ``--types`` type and evaluated by
-llama.cpp (float32 KV cache, plain CPU buffers, as ``export_gguf``'s check loads it) on two inputs:
-the check's own prompt (``gguf_verify.DEFAULT_PROMPT``) and the first ``--tokens`` WikiText-2 test
-tokens. Per row: the median and worst position's logit difference relative to that position's
-largest logit, and top-1 agreement. ``--f16-cache`` adds float32 rows with llama.cpp's default f16
+llama.cpp (float32 KV cache, plain CPU buffers, as ``export_gguf``'s check loads it) on three
+inputs: the check's own prompt (``gguf_verify.DEFAULT_PROMPT``), the first ``--tokens`` WikiText-2
+test tokens, and the 24 seeded random token ids the check uses when it has no tokenizer. Per row:
+the median and worst position's logit difference relative to that position's largest logit, and
+top-1 agreement. ``--f16-cache`` adds float32 rows with llama.cpp's default f16
 KV cache (what the check used before), and ``--perturb`` a float32 row of the unpruned model with
 one matrix (layer 10's MLP down projection) off by seeded noise of 1e-4 of each weight's size,
 compared with the unperturbed model: what the float32 rule must catch.
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
     inputs = {
         "prompt": tokenizer(gguf_verify.DEFAULT_PROMPT, add_special_tokens=False)["input_ids"],
         "wikitext": tokenizer(text)["input_ids"][: args.tokens],
+        "random ids": gguf_verify.prompt_ids(None, model.config.vocab_size),  # the check's input without a tokenizer
     }
     n = model.config.num_hidden_layers
     cut = copy.deepcopy(model)

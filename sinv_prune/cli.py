@@ -468,8 +468,10 @@ def _model_source(source: str, gguf_file: str | None = None) -> str:
 def _load_tokenizer(source: str, gguf_file: str | None):
     from transformers import AutoTokenizer
 
+    from sinv_prune.surgery.keep_tokenizer import has_tokenizer
+
     local = Path(source)
-    if local.is_dir() and not gguf_file and not any(local.glob("tokenizer*")) and not any(local.glob("vocab*")):
+    if local.is_dir() and not gguf_file and not has_tokenizer(local):
         return None  # transformers would build an empty tokenizer here
     try:
         return AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))

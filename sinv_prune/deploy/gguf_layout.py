@@ -28,12 +28,16 @@ __all__ = ["GGUFLayout", "LayerShape", "check_exportable", "plan_layout", "rope_
 class GGUFLayout:
     """The architecture chosen for a model and the per-layer shapes it is written with."""
 
-    arch: str
+    writer: GGUFArch
     family: str
     layers: list[LayerShape]
     head_dim: int
     notes: list[str] = field(default_factory=list)
-    writer: GGUFArch | None = None
+
+    @property
+    def arch(self) -> str:
+        """llama.cpp's name for the chosen architecture."""
+        return self.writer.name
 
     @property
     def uniform(self) -> bool:
@@ -41,7 +45,7 @@ class GGUFLayout:
 
     @property
     def permute_qk(self) -> bool:
-        return self.writer is not None and self.writer.permute_rope
+        return self.writer.permute_rope
 
 
 def check_exportable(model: nn.Module, verify: bool | None = None) -> GGUFArch:
@@ -79,7 +83,7 @@ def plan_layout(model: nn.Module, biases: dict[int, set[str]]) -> GGUFLayout:
     for arch in candidates(config.model_type):
         reason = arch.refusal(config, layers, head_dim, biases)
         if reason is None:
-            layout = GGUFLayout(arch.name, config.model_type, layers, head_dim, writer=arch)
+            layout = GGUFLayout(arch, config.model_type, layers, head_dim)
             if arch is not native:
                 layout.notes.append(f"written as llama.cpp '{arch.name}' ({reasons[-1]} under '{native.name}')")
             return layout

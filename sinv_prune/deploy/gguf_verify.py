@@ -1,6 +1,7 @@
 """Round-trip check of a written GGUF file: llama.cpp's logits against transformers' on the same tokens.
 
-llama-cpp-python is the one import site of llama.cpp in this project (:func:`load_llama`). The
+llama.cpp is loaded here (:func:`load_llama`; its quantiser is called from
+:mod:`~sinv_prune.deploy.gguf_quantize`). The
 file is loaded with ``logits_all=True`` and a **float32 KV cache** (llama.cpp's default f16 cache
 alone moves SmolLM2-135M's logits by ~1e-3, a hundred times what float32 kernels differ by), the
 tokens are evaluated in one batch, and every position's next-token logits are compared with the

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from sinv_prune.surgery.keep_tokenizer import has_tokenizer
+
 
 def run_gguf_source(run_dir: Path | None) -> Path | None:
     """The GGUF file a run's recipe loaded its model from (``model.gguf_file``), if it is still there."""
@@ -34,6 +36,6 @@ def run_gguf_source(run_dir: Path | None) -> Path | None:
 def tokenizer_dir(model_dir: Path, run_dir: Path | None) -> Path | None:
     """The directory holding the tokenizer for ``model_dir``: itself, else the run's ``tokenizer/``."""
     for d in (model_dir, run_dir / "tokenizer" if run_dir else None):
-        if d is not None and d.is_dir() and any(d.glob("tokenizer*")):
+        if d is not None and d.is_dir() and has_tokenizer(d):
             return d
     return None

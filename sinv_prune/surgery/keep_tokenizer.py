@@ -28,7 +28,7 @@ def tokenizer_source(path: str, gguf_file: str | None = None, **hub_kwargs) -> d
     if gguf_file:
         return {"path": path, "gguf_file": gguf_file}
     if os.path.isdir(path):
-        return {"path": path} if any((Path(path) / f).is_file() for f in TOKENIZER_FILES) else None
+        return {"path": path} if has_tokenizer(path) else None
     hub = {k: v for k, v in hub_kwargs.items() if k in ("revision", "subfolder") and v is not None}
     return {"path": path, **hub}  # a Hub id: fetched (or read from the cache) when the model is saved
 
