@@ -7,7 +7,7 @@ Adding an architecture means adding one module here that defines a
 
 from __future__ import annotations
 
-from sinv_prune.arch import bert, gpt2, llama  # noqa: F401  (registration)
+from sinv_prune.arch import bert, gpt2, llama, moe  # noqa: F401  (registration)
 from sinv_prune.arch.base import HeadAdapter, HeadLayout, Projections
 from sinv_prune.arch.registry import get_adapter, register_adapter, supported_model_types
 

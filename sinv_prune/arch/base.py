@@ -161,6 +161,20 @@ class HeadAdapter:
         """The modules ``slice_mlp`` changes."""
         return [*self.mlp_in(layer), self.mlp_out(layer)]
 
+    # -- mixture of experts (the MoE adapters override; a dense model has none) ---------------
+    #: Why heads cannot be removed exactly from this family (None: they can).
+    heads_refusal: ClassVar[str | None] = None
+    #: Config attribute holding the expert count (None: the family has no experts).
+    config_experts_key: ClassVar[str | None] = None
+
+    def moe_block(self, layer: int) -> nn.Module | None:
+        """The layer's mixture-of-experts block, or None for a dense layer."""
+        return None
+
+    def num_experts(self, layer: int) -> int:
+        """Current number of routed experts of ``layer`` (0 for a dense layer)."""
+        return 0
+
     def slice_heads(self, layer: int, keep_q: torch.Tensor, keep_kv: torch.Tensor) -> None:
         """Physically keep only query heads ``keep_q`` and KV heads ``keep_kv``."""
         raise NotImplementedError

@@ -404,6 +404,7 @@ PART_KEYS = (
     "min_heads_per_layer",
     "multiple",
     "min_channels_per_layer",
+    "min_experts_per_layer",
     "seed",
     "allocation",
     "allocation_options",
@@ -447,7 +448,8 @@ class PartSpec(Strict):
 
     Heads only: ``layout`` (GQA models: ``q_per_group``, ``kv_groups`` or ``auto``) and
     ``min_heads_per_layer``. MLP only: ``multiple`` (each layer keeps a multiple of it) and
-    ``min_channels_per_layer``.
+    ``min_channels_per_layer``. Experts only: ``min_experts_per_layer`` (at least ``num_experts_per_tok``,
+    the default); experts' ``mode`` defaults to ``uniform`` (the same count in every MoE layer).
     """
 
     criterion: str
@@ -456,6 +458,7 @@ class PartSpec(Strict):
     amount: dict[str, float] | float | int
     mode: Literal["global", "per_layer", "uniform"] = "global"
     layout: Literal["q_per_group", "kv_groups", "auto"] = "q_per_group"
+    min_experts_per_layer: int | None = Field(None, gt=0)
     min_heads_per_layer: int = Field(1, ge=0)
     multiple: int | None = Field(None, gt=0)
     min_channels_per_layer: int | None = Field(None, ge=0)
@@ -465,6 +468,16 @@ class PartSpec(Strict):
 
     _positive = field_validator("amount")(_positive_amount)
     _unit = field_validator("unit")(_registered_unit)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unit_default_mode(cls, data):
+        """A part that names no ``mode`` gets its unit's (experts: ``uniform``)."""
+        if isinstance(data, dict) and "mode" not in data and isinstance(data.get("unit"), str):
+            unit = {u.name: u for u in registered_units()}.get(data["unit"])
+            if unit is not None and unit.default_mode != "global":
+                data = {**data, "mode": unit.default_mode}
+        return data
 
     @model_validator(mode="after")
     def _keys_fit_the_unit(self):

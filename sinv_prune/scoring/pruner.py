@@ -47,14 +47,17 @@ class Part:
     registered name (built for ``unit`` with ``criterion_options``; a criterion taking a
     ``seed`` gets the part's ``seed`` unless the options set one) or a
     :class:`~sinv_prune.scoring.criteria.Criterion` instance scoring ``unit``. ``amount`` is an ``int``
-    count or a ``float`` fraction of the unit. The rest is passed to the unit's selection:
+    count or a ``float`` fraction of the unit. ``mode`` defaults to the unit's (``global``; experts:
+    ``uniform``, the same count in every MoE layer). The rest is passed to the unit's selection:
 
     * heads: :func:`~sinv_prune.scoring.selection.select_heads` (``mode``, ``layout``,
       ``min_per_layer`` = ``min_heads_per_layer``; 0 lets layers lose every head);
     * mlp: :func:`~sinv_prune.scoring.selection_units.select_channels` (``mode``, ``multiple``,
       ``min_per_layer`` = ``min_channels_per_layer`` >= 1);
     * layers: :func:`~sinv_prune.scoring.selection_units.select_layers` (``min_per_layer`` = ``min_layers``
-      >= 1; ``mode`` must stay ``"global"``).
+      >= 1; ``mode`` must stay ``"global"``);
+    * experts: :func:`~sinv_prune.scoring.selection_units.select_channels` over the MoE layers' experts
+      (``min_per_layer`` >= ``num_experts_per_tok``, its default).
 
     ``seed`` orders equal scores; ``exact`` raises instead of cutting less than ``amount``.
     """
@@ -62,7 +65,7 @@ class Part:
     unit: str
     criterion: str | Criterion
     amount: int | float | Mapping[str, float]
-    mode: str = "global"
+    mode: str | None = None
     criterion_options: Mapping[str, Any] | None = None
     layout: str = DEFAULT_LAYOUT
     min_per_layer: int | None = None
@@ -74,6 +77,8 @@ class Part:
 
     def __post_init__(self):
         kind = get_unit(self.unit)
+        if self.mode is None:
+            self.mode = kind.default_mode
         if self.mode not in MODES:
             raise ValueError(f"unknown selection mode {self.mode!r}; choose one of {', '.join(MODES)}")
         check_layout(self.layout)

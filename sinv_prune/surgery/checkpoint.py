@@ -36,6 +36,7 @@ from sinv_prune.surgery.keep_tokenizer import remember_tokenizer, tokenizer_sour
 from sinv_prune.surgery.record import PruningRecord, get_record
 from sinv_prune.surgery.shapes import apply_record
 from sinv_prune.symmetry import restore_symmetry_breaking
+from sinv_prune.units import units
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +107,19 @@ def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: P
     config = model.config
     base = base_class(type(model))
     layouts = {adapter.layout(i) for i in range(adapter.num_layers)}
-    widths = {adapter.intermediate_size(i) for i in range(adapter.num_layers)}
-    stock_reason = _stock_refusal(adapter, config, record, layouts, widths)
+    widths = dense_widths(adapter)
+    stock_reason = next(
+        (why for why in (u.stock_refusal(adapter, record) for u in units()) if why),
+        None,
+    ) or _stock_refusal(adapter, config, record, layouts, widths)
+    for unit in units():
+        unit.state_config(model, adapter, record, stock_reason is None)
     if stock_reason is None:
         (layout,) = layouts
         if _heads_pruned(record):
             _set_head_counts(adapter, config, layout.num_heads, layout.num_kv_heads, record.head_dim)
-        (width,) = widths
-        _set_intermediate(adapter, config, width)
+        for width in widths:  # none in a model whose every layer is MoE
+            _set_intermediate(adapter, config, width)
         record.stock_layout = True
         model.__class__ = base
         config.architectures = [base.__name__]
@@ -146,7 +152,7 @@ def _stock_refusal(adapter, config, record, layouts, widths) -> str | None:
         return "stock classes cannot describe pruned heads for this architecture"
     if len(layouts) != 1:
         return "layers keep different head counts, which stock classes cannot describe"
-    if len(widths) != 1:
+    if len(widths) > 1:
         return "layers keep different MLP widths, which stock classes cannot describe"
     (layout,) = layouts
     if layout.num_heads == 0:
@@ -155,13 +161,19 @@ def _stock_refusal(adapter, config, record, layouts, widths) -> str | None:
     if heads:
         trial.update({adapter.config_heads_key: layout.num_heads, "head_dim": record.head_dim})
         trial[adapter.config_kv_heads_key] = layout.num_kv_heads
-    (trial[adapter.config_intermediate_key],) = widths
+    for width in widths:
+        trial[adapter.config_intermediate_key] = width
     try:
         type(config).from_dict(trial)
     except Exception as err:  # the config class's own validation decides
         what = f"{layout.num_heads} heads" if heads else f"MLP width {trial[adapter.config_intermediate_key]}"
         return f"{type(config).__name__} refuses {what} ({err})"
     return None
+
+
+def dense_widths(adapter: HeadAdapter) -> set[int]:
+    """The MLP widths of the dense layers (a mixture-of-experts layer has none)."""
+    return {adapter.intermediate_size(i) for i in range(adapter.num_layers) if not adapter.num_experts(i)}
 
 
 def _set_intermediate(adapter, config, width: int | None) -> None:

@@ -26,6 +26,8 @@ class PruningRecord:
     ``removed_layers`` lists the original indices of the blocks dropped; layer ``i`` of
     the current model is original layer ``kept_layers()[i]``. ``intermediate_size`` is the
     original MLP width (None in records written before MLP pruning: unpruned then).
+    ``num_experts`` is the original routed-expert count of a mixture-of-experts model (None for a
+    dense one) and ``pruned_experts`` maps an original layer index to its removed experts.
     ``stock_layout`` is true when the config's own sizes already describe the pruned shapes
     (same sizes in every layer, a family whose config can say so), so the stock class loads
     the checkpoint without remote code. The config's layer count (and ``layer_types``) always
@@ -41,6 +43,8 @@ class PruningRecord:
     intermediate_size: int | None = None
     pruned_mlp: dict[int, list[int]] = field(default_factory=dict)
     removed_layers: list[int] = field(default_factory=list)
+    num_experts: int | None = None
+    pruned_experts: dict[int, list[int]] = field(default_factory=dict)
     stock_layout: bool = False
     type: str = RECORD_TYPE
     version: str = __version__
@@ -67,11 +71,19 @@ class PruningRecord:
         removed = set(self.pruned_mlp.get(layer, ()))
         return [c for c in range(self.intermediate_size or 0) if c not in removed]
 
+    def kept_experts(self, layer: int) -> list[int]:
+        """Routed experts of the original model still present in (original) ``layer``, in order."""
+        removed = set(self.pruned_experts.get(layer, ()))
+        return [e for e in range(self.num_experts or 0) if e not in removed]
+
     def to_json(self) -> dict:
         data = asdict(self)
         data["pruned_heads"] = {str(k): sorted(v) for k, v in sorted(self.pruned_heads.items()) if v}
         data["pruned_mlp"] = {str(k): sorted(v) for k, v in sorted(self.pruned_mlp.items()) if v}
         data["removed_layers"] = sorted(self.removed_layers)
+        data["pruned_experts"] = {str(k): sorted(v) for k, v in sorted(self.pruned_experts.items()) if v}
+        if self.num_experts is None:  # dense models' records stay as earlier versions wrote them
+            del data["num_experts"], data["pruned_experts"]
         data["version"] = __version__
         return data
 
@@ -94,6 +106,7 @@ class PruningRecord:
         fields["pruned_heads"] = {int(k): list(v) for k, v in data.get("pruned_heads", {}).items()}
         fields["pruned_mlp"] = {int(k): list(v) for k, v in data.get("pruned_mlp", {}).items()}
         fields["removed_layers"] = sorted(int(i) for i in data.get("removed_layers", ()))
+        fields["pruned_experts"] = {int(k): list(v) for k, v in data.get("pruned_experts", {}).items()}
         return cls(**fields)
 
 

@@ -11,11 +11,12 @@ from torch import nn
 
 from sinv_prune.arch import HeadAdapter, get_adapter
 from sinv_prune.surgery import compensation
-from sinv_prune.surgery.checkpoint import base_class, finalize_checkpoint_format
+from sinv_prune.surgery.checkpoint import base_class, dense_widths, finalize_checkpoint_format
 from sinv_prune.surgery.compensation import CompensationReport
 from sinv_prune.surgery.record import PruningRecord, get_record, set_record
 from sinv_prune.surgery.shapes import apply_layer, drop_layers
 from sinv_prune.units import get_unit, unit_names, units
+from sinv_prune.units.experts import ExpertChange
 from sinv_prune.units.heads import LayerChange, plan_removal
 from sinv_prune.units.layers import plan_layers
 from sinv_prune.units.mlp import MlpChange, plan_channels
@@ -51,6 +52,7 @@ class PruneSummary:
     mlp: list[MlpChange] = field(default_factory=list)
     removed_layers: list[int] = field(default_factory=list)
     removed_layers_original: list[int] = field(default_factory=list)
+    experts: list[ExpertChange] = field(default_factory=list)
 
     @property
     def heads_removed(self) -> int:
@@ -59,6 +61,10 @@ class PruneSummary:
     @property
     def channels_removed(self) -> int:
         return sum(len(c.removed) for c in self.mlp)
+
+    @property
+    def experts_removed(self) -> int:
+        return sum(len(c.removed) for c in self.experts)
 
     @property
     def layers_removed(self) -> int:
@@ -76,8 +82,10 @@ class PruneSummary:
             "heads_removed": self.heads_removed,
             "channels_removed": self.channels_removed,
             "layers_removed": self.layers_removed,
+            "experts_removed": self.experts_removed,
             "layers": [vars(c) for c in self.layers],
             "mlp": [vars(c) for c in self.mlp],
+            "experts": [vars(c) for c in self.experts],
             "removed_layers": list(self.removed_layers),
             "removed_layers_original": list(self.removed_layers_original),
         }
@@ -87,7 +95,7 @@ class PruneSummary:
 
     def __str__(self) -> str:
         lines = []
-        if self.layers or not (self.mlp or self.removed_layers):
+        if self.layers or not (self.mlp or self.experts or self.removed_layers):
             lines.append(f"{'layer':>5} {'removed':>7} {'kept':>4} {'kv':>3}  removed (original numbering)")
             for c in self.layers:
                 lines.append(f"{c.layer:>5} {len(c.removed):>7} {c.kept:>4} {c.kept_kv:>3}  {c.removed_original}")
@@ -95,6 +103,10 @@ class PruneSummary:
             lines.append(f"{'layer':>5} {'channels removed':>16} {'kept':>5}")
             for c in self.mlp:
                 lines.append(f"{c.layer:>5} {len(c.removed):>16} {c.kept:>5}")
+        if self.experts:
+            lines.append(f"{'layer':>5} {'experts removed':>15} {'kept':>4}  removed (original numbering)")
+            for c in self.experts:
+                lines.append(f"{c.layer:>5} {len(c.removed):>15} {c.kept:>4}  {c.removed_original}")
         if self.removed_layers:
             lines.append(f"layers removed: {self.removed_layers} (original numbering {self.removed_layers_original})")
         ratio = self.params_after / self.params_before
@@ -409,12 +421,12 @@ def _current_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
     return record
 
 
-def _uniform_width(adapter: HeadAdapter) -> int:
-    widths = {adapter.intermediate_size(i) for i in range(adapter.num_layers)}
-    if len(widths) != 1:
+def _uniform_width(adapter: HeadAdapter) -> int | None:
+    """The dense layers' one MLP width (None: every layer is a mixture of experts)."""
+    widths = dense_widths(adapter)
+    if len(widths) > 1:
         raise ValueError("model has different MLP widths per layer but no sinv_prune record of them in its config")
-    (width,) = widths
-    return width
+    return next(iter(widths), None)
 
 
 def _fresh_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
@@ -429,4 +441,13 @@ def _fresh_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         intermediate_size=_uniform_width(adapter),
+        num_experts=_uniform_experts(adapter),
     )
+
+
+def _uniform_experts(adapter: HeadAdapter) -> int | None:
+    """The MoE layers' one routed-expert count (None: a dense model)."""
+    counts = {adapter.num_experts(i) for i in range(adapter.num_layers)} - {0}
+    if len(counts) > 1:
+        raise ValueError("model has different expert counts per layer but no sinv_prune record of them in its config")
+    return next(iter(counts), None)

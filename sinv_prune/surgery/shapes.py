@@ -70,8 +70,8 @@ def apply_record(model: nn.Module, record: PruningRecord) -> None:
             f"the config builds {adapter.num_layers} layers but the pruning record keeps {len(kept_layers)} "
             f"of {record.num_layers}"
         )
+    from sinv_prune.units import units  # the units import this module
+
     for current, original in enumerate(kept_layers):
-        if record.pruned_heads.get(original):
-            apply_layer(adapter, current, record.kept_heads(original), record.kept_kv_heads(original))
-        if record.pruned_mlp.get(original):
-            apply_mlp(adapter, current, record.kept_channels(original))
+        for unit in units():
+            unit.rebuild(adapter, current, original, record)

@@ -52,6 +52,8 @@ class Unit(ABC):
     whole_layers: ClassVar[bool] = False
     settings: ClassVar[Mapping[str, Any]] = {}
     min_floor: ClassVar[int] = 1
+    #: The selection ``mode`` a part of this unit gets when it names none.
+    default_mode: ClassVar[str] = "global"
     #: Recipe keys only this unit's parts take -> the :class:`Part` field each fills.
     recipe_keys: ClassVar[Mapping[str, str]] = {}
 
@@ -202,6 +204,16 @@ class Unit(ABC):
     def compensation_cuts(self, adapter: HeadAdapter, checked: Mapping, apply, choose) -> dict[int, list]:
         """Per layer the :class:`~sinv_prune.surgery.cuts.Cut` s compensation refits after this unit's cut."""
         return {}
+
+    def rebuild(self, adapter: HeadAdapter, layer: int, orig: int, record) -> None:  # noqa: B027
+        """Slice current ``layer`` (original ``orig``) of a freshly built model to the ``record``'s shapes."""
+
+    def stock_refusal(self, adapter: HeadAdapter, record) -> str | None:
+        """Why the stock class cannot describe this unit's cuts (None: it can)."""
+        return None
+
+    def state_config(self, model: nn.Module, adapter: HeadAdapter, record, stock: bool) -> None:  # noqa: B027
+        """Write this unit's sizes into the config for the chosen reload route (``stock``: the pruned sizes)."""
 
     def record_cut(self, record, origin: list[int], checked: Mapping) -> list:
         """Write the checked entry into the pruning ``record`` (original numbering); the per-layer changes."""

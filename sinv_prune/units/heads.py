@@ -74,6 +74,8 @@ class HeadsUnit(Unit):
         return {kept[i]: h for i, h in chosen.items()}
 
     def check_amount(self, adapter, amount, options) -> None:
+        if adapter.heads_refusal:
+            raise ValueError(f"heads cannot be removed: {adapter.heads_refusal}")
         layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
         total = sum(lay.num_heads for lay in layouts)
         if isinstance(amount, int) and amount > total:
@@ -112,6 +114,10 @@ class HeadsUnit(Unit):
 
     def cut(self, adapter: HeadAdapter, layer: int, checked) -> None:
         apply_layer(adapter, layer, *checked[1:])
+
+    def rebuild(self, adapter: HeadAdapter, layer: int, orig: int, record: PruningRecord) -> None:
+        if record.pruned_heads.get(orig):
+            apply_layer(adapter, layer, record.kept_heads(orig), record.kept_kv_heads(orig))
 
     def rechoose(self, adapter: HeadAdapter, layer: int, checked, removed: list[int]):
         return plan_removal(adapter, {layer: removed}, allow_empty_layers=True)[layer]
@@ -167,6 +173,8 @@ def plan_removal(
         raise ValueError(f"heads must map layer index -> head indices, got {type(heads).__name__}")
     plan = {}
     for layer, removed in per_layer(adapter, heads, "", "head"):
+        if removed and adapter.heads_refusal:
+            raise ValueError(f"layer {layer}: heads cannot be removed: {adapter.heads_refusal}")
         layout = adapter.layout(layer)
         bad = [h for h in removed if not 0 <= h < layout.num_heads]
         if bad:

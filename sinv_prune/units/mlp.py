@@ -138,6 +138,10 @@ class MlpUnit(Unit):
     def touched(self, adapter: HeadAdapter, layer: int) -> list[nn.Module]:
         return adapter.mlp_modules(layer)
 
+    def rebuild(self, adapter: HeadAdapter, layer: int, orig: int, record: PruningRecord) -> None:
+        if record.pruned_mlp.get(orig):
+            apply_mlp(adapter, layer, record.kept_channels(orig))
+
     def cut(self, adapter: HeadAdapter, layer: int, checked) -> None:
         apply_mlp(adapter, layer, checked[1])
 

@@ -1,0 +1,142 @@
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): LLaMA-style attention, and MoE
+blocks whose experts are stored fused (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj``
+``[E, H, I]``) behind a softmax top-k router ``gate`` (``weight`` ``[E, H]``).
+
+A MoE layer has no dense MLP channels: its ``intermediate_size`` is 0 and the ``mlp`` unit leaves it
+alone; its experts are the ``experts`` unit's items. Qwen2/3-MoE may mix dense layers in
+(``mlp_only_layers``, ``decoder_sparse_step``); those prune like LLaMA MLPs.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from sinv_prune.arch.base import _replace
+from sinv_prune.arch.llama import LlamaAdapter
+from sinv_prune.arch.registry import register_adapter
+
+
+class MoeAdapter(LlamaAdapter):
+    """LLaMA-style attention plus fused experts; subclasses name their config keys."""
+
+    name = "moe"
+    model_types = ()
+    #: Config attribute holding the expert count (read by the experts, the router and the aux loss).
+    config_experts_key: ClassVar[str] = "num_experts"
+    #: Config attribute holding one expert's width (Mixtral / OLMoE: intermediate_size; they have no dense layers).
+    config_expert_width_key: ClassVar[str] = "moe_intermediate_size"
+    #: What a layer's router does with the top-k weights, for messages and docs.
+    routing: ClassVar[str] = "softmax over the experts, top-k"
+
+    def moe_block(self, layer: int) -> nn.Module | None:
+        mlp = self.base.layers[layer].mlp
+        return mlp if hasattr(mlp, "experts") and hasattr(mlp, "gate") else None
+
+    def experts(self, layer: int) -> nn.Module:
+        return self._moe(layer).experts
+
+    def router(self, layer: int) -> nn.Module:
+        return self._moe(layer).gate
+
+    def num_experts(self, layer: int) -> int:
+        block = self.moe_block(layer)
+        return 0 if block is None else block.experts.gate_up_proj.shape[0]
+
+    def top_k(self) -> int:
+        return self.model.config.num_experts_per_tok
+
+    def expert_width(self, layer: int) -> int:
+        return self.experts(layer).down_proj.shape[-1]
+
+    def expert_mlp(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One expert's ``(W_gate, W_up, W_down)`` as ``[out, in]`` views (``[I, H]``, ``[I, H]``, ``[H, I]``)."""
+        experts = self.experts(layer)
+        gate, up = experts.gate_up_proj[expert].chunk(2, dim=0)
+        return gate, up, experts.down_proj[expert]
+
+    def slice_experts(self, layer: int, keep: torch.Tensor) -> None:
+        """Keep only experts ``keep`` (ascending) of ``layer``: fused weights, router rows (and bias), counts."""
+        experts, router, count = self.experts(layer), self.router(layer), self.num_experts(layer)
+        for module in (experts, router):
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.shape and param.shape[0] == count:
+                    _replace(module, name, param.detach().index_select(0, keep.to(param.device)))
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer is not None and buffer.shape and buffer.shape[0] == count:
+                    persistent = name not in module._non_persistent_buffers_set
+                    module.register_buffer(name, buffer.index_select(0, keep.to(buffer.device)), persistent=persistent)
+            if hasattr(module, "num_experts"):
+                module.num_experts = keep.numel()
+
+    def expert_modules(self, layer: int) -> list[nn.Module]:
+        """The modules ``slice_experts`` changes."""
+        return [self.experts(layer), self.router(layer)]
+
+    # -- a MoE layer has no dense MLP channels --------------------------------------------
+
+    def intermediate_size(self, layer):
+        return 0 if self.moe_block(layer) is not None else super().intermediate_size(layer)
+
+    def mlp(self, layer):
+        return () if self.moe_block(layer) is not None else super().mlp(layer)
+
+    def mlp_in(self, layer):
+        return [] if self.moe_block(layer) is not None else super().mlp_in(layer)
+
+    def mlp_out(self, layer):
+        if self.moe_block(layer) is not None:
+            raise ValueError(f"layer {layer} is a mixture-of-experts layer: it has experts, not dense MLP channels")
+        return super().mlp_out(layer)
+
+    def mlp_modules(self, layer):
+        block = self.moe_block(layer)
+        return [block] if block is not None else super().mlp_modules(layer)
+
+    def _moe(self, layer: int) -> nn.Module:
+        block = self.moe_block(layer)
+        if block is None:
+            raise ValueError(f"layer {layer} is a dense layer: it has no experts")
+        return block
+
+
+@register_adapter
+class Qwen3MoeAdapter(MoeAdapter):
+    """Qwen3-MoE: Qwen3 attention (per-head q/k norms), experts with an optional renormalised top-k."""
+
+    name = "qwen3_moe"
+    model_types = ("qwen3_moe",)
+
+
+@register_adapter
+class Qwen2MoeAdapter(MoeAdapter):
+    """Qwen2-MoE: Qwen2 attention (q/k/v biases); MoE layers add a shared expert behind a sigmoid gate, which
+    expert pruning leaves alone."""
+
+    name = "qwen2_moe"
+    model_types = ("qwen2_moe",)
+
+
+@register_adapter
+class MixtralAdapter(MoeAdapter):
+    """Mixtral: Mistral attention; every layer is MoE, top-k weights always renormalised."""
+
+    name = "mixtral"
+    model_types = ("mixtral",)
+    config_experts_key = "num_local_experts"
+    config_expert_width_key = "intermediate_size"
+
+
+@register_adapter
+class OlmoeAdapter(MoeAdapter):
+    """OLMoE: every layer is MoE; its q/k norms span all heads at once, so heads cannot be removed exactly."""
+
+    name = "olmoe"
+    model_types = ("olmoe",)
+    config_expert_width_key = "intermediate_size"
+    heads_refusal = (
+        "OLMoE's q_norm and k_norm normalise all heads of a layer together, so removing a head changes the "
+        "kept ones; prune experts, MLP layers or whole layers instead"
+    )
