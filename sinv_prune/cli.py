@@ -44,7 +44,7 @@ def _indices(text: str) -> list[int]:
 def parse_heads(text: str, option: str = "--heads") -> dict[int, list[int]]:
     """``"0:1,3;5:0-2"`` or JSON ``{"0": [1, 3], "5": [0, 1, 2]}`` -> ``{0: [1, 3], 5: [0, 1, 2]}``.
 
-    The same form names MLP channels (``--mlp``); ``a-b`` is the inclusive range.
+    The same form names MLP channels (``--mlp``) and experts (``--experts``); ``a-b`` is the inclusive range.
     """
     text = text.strip()
     try:
@@ -124,7 +124,7 @@ def main() -> None:
     \b
     sinv-prune RECIPE.yaml --output DIR    run a recipe (train, score, prune, fine-tune, evaluate, report)
     sinv-prune quickstart                  the built-in offline quickstart recipe
-    sinv-prune prune MODEL OUT --heads ..  remove given heads / --mlp channels / --layers (or --plan FILE.json)
+    sinv-prune prune MODEL OUT --heads ..  remove given heads / --mlp channels / --experts / --layers (or --plan)
     sinv-prune eval MODEL --tasks ..       zero-shot tasks through lm-evaluation-harness
     sinv-prune export SOURCE OUT.gguf      write a GGUF file for llama.cpp
     sinv-prune info MODEL                  what was removed from a pruned model and how it reloads
@@ -352,6 +352,7 @@ def _print_summary(results: dict, output: Path) -> None:
 @click.option("--heads", default=None, help="Query heads to remove per layer: '0:1,3;5:0' or JSON {\"0\": [1, 3]}.")
 @click.option("--mlp", default=None, help="MLP channels to remove per layer: '0:0-127;3:5,9' or JSON.")
 @click.option("--layers", default=None, help="Whole blocks to remove: '3,5-7' or JSON [3, 5].")
+@click.option("--experts", default=None, help="Routed experts to remove per MoE layer: '0:1,5;2:3' or JSON.")
 @click.option(
     "--plan",
     "plan_file",
@@ -368,12 +369,13 @@ def prune(
     heads: str | None,
     mlp: str | None,
     layers: str | None,
+    experts: str | None,
     plan_file: Path | None,
     gguf_file: str | None,
     allow_empty_layers: bool,
     overwrite: bool,
 ):
-    """Remove heads, MLP channels and/or whole layers from the model at SOURCE; save it to OUTPUT.
+    """Remove heads, MLP channels, experts and/or whole layers from the model at SOURCE; save it to OUTPUT.
 
     Every index is in the model's numbering now (as sinv-prune info shows it); heads and channels
     are cut first, then blocks dropped, in one call of sinv_prune.prune.
@@ -381,18 +383,20 @@ def prune(
     from sinv_prune.surgery.checkpoint import from_pretrained
     from sinv_prune.surgery.removal import prune as prune_plan
 
-    if plan_file is not None and (heads or mlp or layers):
-        raise UsageError("--plan holds the whole plan; do not combine it with --heads, --mlp or --layers")
+    if plan_file is not None and (heads or mlp or layers or experts):
+        raise UsageError("--plan holds the whole plan; do not combine it with --heads, --mlp, --experts or --layers")
     if plan_file is not None:
         request = read_plan(plan_file)
     else:
         request = {"heads": parse_heads(heads)} if heads else {}
         if mlp:
             request["mlp"] = parse_heads(mlp, "--mlp")
+        if experts:
+            request["experts"] = parse_heads(experts, "--experts")
         if layers:
             request["layers"] = parse_layers(layers)
     if not any(request.values()):
-        raise UsageError("nothing to remove: give --heads, --mlp, --layers or --plan FILE.json")
+        raise UsageError("nothing to remove: give --heads, --mlp, --experts, --layers or --plan FILE.json")
     if output.exists() and not overwrite:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     source = _model_source(source, gguf_file)

@@ -11,6 +11,14 @@ from torch import nn
 from sinv_prune.arch.base import HeadAdapter
 
 _ADAPTERS: dict[str, type[HeadAdapter]] = {}
+#: Families people ask for whose removals would not be exact with what sinv_prune slices today: the reason.
+REFUSED = {
+    "gpt_oss": "GPT-OSS is not supported: its attention sinks (one learned logit per head), interleaved gate/up "
+    "experts with biases and router bias have no adapter yet",
+    "deepseek_v3": "DeepSeek-V3 is not supported: multi-head latent attention has no per-head Q/K/V to slice, and "
+    "its sigmoid router with e_score_correction_bias and group-limited top-k (n_group, topk_group) is not exact "
+    "under -inf logits for removed experts",
+}
 
 
 def register_adapter(cls: type[HeadAdapter]) -> type[HeadAdapter]:
@@ -30,6 +38,8 @@ def get_adapter(model: nn.Module) -> HeadAdapter:
     """The adapter for ``model``, found from its config; ``ValueError`` if unsupported."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED and model_type not in _ADAPTERS:
+        raise ValueError(f"unsupported architecture {model_type!r}: {REFUSED[model_type]}")
     if model_type not in _ADAPTERS:
         raise ValueError(
             f"unsupported architecture {model_type or type(model).__name__!r}: "

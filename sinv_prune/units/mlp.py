@@ -58,6 +58,7 @@ class MlpUnit(Unit):
     def select(self, model, part, scores, amount, kept, exact):
         sizes = self.sizes(model)
         rows = score_rows(scores, len(sizes), self.name)
+        kept = [layer for layer in kept if sizes[layer]]  # mixture-of-experts layers have no dense channels
         chosen = select_channels(
             [sizes[layer] for layer in kept],
             [rows[layer] for layer in kept],
@@ -71,8 +72,10 @@ class MlpUnit(Unit):
         return {kept[i]: channels for i, channels in chosen.items()}
 
     def check_amount(self, adapter, amount, options) -> None:
-        layers = adapter.num_layers
-        total = sum(adapter.intermediate_size(layer) for layer in range(layers))
+        widths = [w for w in (adapter.intermediate_size(layer) for layer in range(adapter.num_layers)) if w]
+        if not widths:
+            raise ValueError("every layer is a mixture of experts: there are no dense MLP channels (prune experts)")
+        layers, total = len(widths), sum(widths)
         keep = options.get("min_per_layer", 1)
         most = total - keep * layers
         if isinstance(amount, int) and amount > most:
@@ -89,6 +92,8 @@ class MlpUnit(Unit):
         """
         sizes = self.sizes(model)
         rows = score_rows(scores, len(sizes), self.name)
+        keep = [i for i, layer in enumerate(kept) if sizes[layer]]  # mixture-of-experts layers have no dense channels
+        kept, start_sizes = [kept[i] for i in keep], [start_sizes[i] for i in keep]
         floor = part.min_per_layer
         if floor is None and part.mode == "global":
             floor = [quarter(n) for n in start_sizes]
@@ -190,6 +195,8 @@ def plan_channels(adapter: HeadAdapter, mlp: Mapping[int, Iterable[int]]) -> dic
     out = {}
     for layer, removed in per_layer(adapter, mlp, "mlp ", "channel"):
         width = adapter.intermediate_size(layer)
+        if removed and not width and adapter.num_experts(layer):
+            raise ValueError(f"mlp layer {layer}: a mixture-of-experts layer has no dense MLP channels (prune experts)")
         bad = [c for c in removed if not 0 <= c < width]
         if bad:
             raise ValueError(f"mlp layer {layer}: channel indices {bad} out of range 0..{width - 1}")

@@ -1,0 +1,282 @@
+"""Experts of mixture-of-experts models: exact removal, the reload routes, refusals, the other units on MoE models.
+
+Exact means: the pruned model computes what the original computes when its routers give the removed
+experts' logits -inf (patched into ``torch.nn.functional.linear`` for the router weights only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+import sinv_prune
+from sinv_prune.arch import get_adapter
+from sinv_prune.cli import main
+from sinv_prune.surgery.record import get_record
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+EXPERTS, TOP_K, LAYERS = 6, 2, 3
+HYPOTHESIS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def tiny_moe(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """A tiny random MoE of ``family``; Qwen2/3-MoE get a dense layer (1) mixed in."""
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=TOP_K)  # fmt: skip
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=16, intermediate_size=24,
+                                             num_experts=EXPERTS, mlp_only_layers=[1], norm_topk_prob=True)  # fmt: skip
+    elif family == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**common, moe_intermediate_size=16, intermediate_size=24,
+                                             shared_expert_intermediate_size=20, num_experts=EXPERTS,
+                                             mlp_only_layers=[1])  # fmt: skip
+    elif family == "mixtral":
+        config = transformers.MixtralConfig(**common, intermediate_size=16, num_local_experts=EXPERTS)
+    else:
+        config = transformers.OlmoeConfig(**common, intermediate_size=16, num_experts=EXPERTS, eos_token_id=0,
+                                          pad_token_id=1)  # fmt: skip
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def moe_layers(model) -> list[int]:
+    adapter = get_adapter(model)
+    return [layer for layer in range(adapter.num_layers) if adapter.num_experts(layer)]
+
+
+@contextlib.contextmanager
+def masked_routers(model, removed: dict[int, list[int]]):
+    """Within the block, the routers of ``model`` give the ``removed`` experts' logits -inf."""
+    adapter = get_adapter(model)
+    targets = {id(adapter.router(layer).weight): experts for layer, experts in removed.items() if experts}
+    linear = torch.nn.functional.linear
+
+    def masked(x, weight, bias=None):
+        out = linear(x, weight, bias)
+        experts = targets.get(id(weight))
+        if experts:
+            out = out.clone()
+            out[..., experts] = float("-inf")
+        return out
+
+    torch.nn.functional.linear = masked
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = linear
+
+
+INPUTS = torch.randint(2, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def logits(model, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(INPUTS, **kwargs).logits
+
+
+def expert_plans(model, uniform: bool):
+    """Random expert sets: each MoE layer loses at most ``EXPERTS - TOP_K``; uniform: the same count everywhere."""
+    layers = moe_layers(model)
+    subsets = st.lists(st.integers(0, EXPERTS - 1), unique=True, max_size=EXPERTS - TOP_K)
+    if uniform:
+        return st.integers(1, EXPERTS - TOP_K).flatmap(
+            lambda n: st.fixed_dictionaries(
+                {layer: st.lists(st.integers(0, EXPERTS - 1), unique=True, min_size=n, max_size=n) for layer in layers}
+            )
+        )
+    return st.fixed_dictionaries({layer: subsets for layer in layers})
+
+
+_BASE: dict[str, transformers.PreTrainedModel] = {}
+
+
+def fresh(family: str):
+    if family not in _BASE:
+        _BASE[family] = tiny_moe(family)
+    return copy.deepcopy(_BASE[family])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@HYPOTHESIS
+@given(data=st.data())
+def test_pruned_equals_masked_router_original(family, data):
+    model = fresh(family)
+    plan = data.draw(expert_plans(model, uniform=data.draw(st.booleans())), label="plan")
+    with masked_routers(model, plan):
+        reference = logits(model)
+    summary = sinv_prune.prune(model, {"experts": plan})
+    torch.testing.assert_close(logits(model), reference, atol=1e-5, rtol=0)
+    adapter = get_adapter(model)
+    for layer in moe_layers(model):
+        kept = EXPERTS - len(plan[layer])
+        assert adapter.num_experts(layer) == kept
+        assert adapter.experts(layer).num_experts == adapter.router(layer).num_experts == kept
+        assert adapter.router(layer).weight.shape[0] == kept
+    record = get_record(model.config)
+    if not any(plan.values()):
+        assert record is None  # nothing removed: the model is left as it was
+        return
+    assert record.num_experts == EXPERTS
+    assert record.pruned_experts == {layer: sorted(e) for layer, e in plan.items() if e}
+    assert summary.experts_removed == sum(map(len, plan.values()))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_mask_matters(family):
+    """The reference is not vacuous: masking the experts the plan removes changes the unpruned output."""
+    model = fresh(family)
+    plan = {layer: [0, 3] for layer in moe_layers(model)}
+    with masked_routers(model, plan):
+        reference = logits(model)
+    assert (reference - logits(model)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_uniform_cut_reloads_on_the_stock_class_in_per_expert_keys(family, tmp_path):
+    model = fresh(family)
+    plan = {layer: [1, 4] for layer in moe_layers(model)}
+    sinv_prune.prune(model, {"experts": plan})
+    expected = logits(model)
+    assert type(model) is sinv_prune.surgery.checkpoint.base_class(type(model))
+    model.save_pretrained(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert getattr(config, get_adapter(model).config_experts_key) == EXPERTS - 2
+    assert not hasattr(config, "auto_map") and config.sinv_prune["stock_layout"]
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    layer = moe_layers(model)[0]
+    # The family's own per-expert keys (mlp.experts.<id>.gate_proj, Mixtral's block_sparse_moe.experts.<id>.w1).
+    ids = {m.group(1) for n in names if (m := re.match(rf"model\.layers\.{layer}\.\w+\.experts\.(\d+)\.", n))}
+    assert ids == {str(e) for e in range(EXPERTS - 2)}
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # no remote code
+    assert type(reloaded).__name__ == type(model).__name__
+    torch.testing.assert_close(logits(reloaded), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_uneven_cut_reloads_through_the_record(family, tmp_path):
+    model = fresh(family)
+    layers = moe_layers(model)
+    sinv_prune.prune(model, {"experts": {layers[0]: [0, 2, 5], layers[-1]: [3]}})
+    expected = logits(model)
+    model.save_pretrained(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path, trust_remote_code=True)
+    assert getattr(config, get_adapter(model).config_experts_key) == EXPERTS and not config.sinv_prune["stock_layout"]
+    reloaded = sinv_prune.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(logits(reloaded), expected, atol=1e-6, rtol=0)
+    again = sinv_prune.from_pretrained(tmp_path).eval()
+    sinv_prune.prune(again, {"experts": {layers[0]: [0]}})  # current numbering: original expert 1
+    assert get_record(again.config).pruned_experts[layers[0]] == [0, 1, 2, 5]
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ({0: [0, 1, 2, 3, 4]}, "experts layer 0: removing 5 of 6 experts leaves 1, fewer than num_experts_per_tok=2"),
+        ({1: [0]}, "experts layer 1: a dense layer"),
+        ({0: [6]}, "experts layer 0: expert indices [6] out of range 0..5"),
+        ({0: [1, 1]}, "duplicate expert indices [1]"),
+    ],
+)
+def test_refusals_leave_the_model_bit_identical(plan, message):
+    model = fresh("qwen3_moe")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.config.to_dict()
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        sinv_prune.prune(model, {"experts": plan})
+    after = model.state_dict()
+    assert state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)
+    assert model.config.to_dict() == config
+
+
+def test_experts_refuse_compensation():
+    model = fresh("mixtral")
+    batches = [{"input_ids": INPUTS}]
+    with pytest.raises(ValueError, match="removed experts have none"):
+        sinv_prune.prune(model, {"experts": {0: [1]}}, calibration=batches, compensate="lsq")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_heads_and_layers_on_moe_models(family):
+    model = fresh(family)
+    reference = copy.deepcopy(model)
+    adapter = get_adapter(reference)
+    d = adapter.layout(0).head_dim
+    with torch.no_grad():  # head 1 of layer 0 contributes nothing
+        adapter.out_proj(0).weight[:, d : 2 * d] = 0
+    wanted = logits(reference)
+    group = adapter.layout(0).group_size
+    sinv_prune.prune(model, {"heads": {0: [1] if group == 1 else [1, 3]}})  # GQA: one head per KV group
+    with torch.no_grad():
+        adapter.out_proj(0).weight[:, 3 * d : 4 * d] = 0
+    torch.testing.assert_close(logits(model), logits(reference), atol=1e-5, rtol=0)
+    del wanted
+    sinv_prune.prune(model, {"layers": [2]})
+    assert get_adapter(model).num_layers == LAYERS - 1 and model.config.num_hidden_layers == LAYERS - 1
+    assert logits(model).isfinite().all()
+
+
+def test_olmoe_refuses_heads_in_one_line():
+    with pytest.raises(ValueError, match="layer 0: heads cannot be removed: OLMoE's q_norm and k_norm") as err:
+        sinv_prune.prune(fresh("olmoe"), {"heads": {0: [1]}})
+    assert "\n" not in str(err.value)
+
+
+def test_dense_layer_channels_of_a_mixed_model_and_the_moe_layers_refusal():
+    model = fresh("qwen3_moe")
+    sinv_prune.prune(model, {"mlp": {1: [0, 5]}})
+    assert get_adapter(model).intermediate_size(1) == 22
+    assert get_record(model.config).pruned_mlp == {1: [0, 5]}
+    with pytest.raises(ValueError, match="mlp layer 0: a mixture-of-experts layer has no dense MLP channels"):
+        sinv_prune.prune(model, {"mlp": {0: [0]}})
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_unsupported_moe_families_say_what_is_missing(family):
+    config = transformers.AutoConfig.for_model(family)
+    model = torch.nn.Module()
+    model.config = config
+    with pytest.raises(ValueError, match=f"unsupported architecture '{family}': .* not supported: "):
+        get_adapter(model)
+
+
+def test_pruner_part_defaults_to_uniform_counts_and_keeps_original_ids():
+    model = fresh("qwen3_moe")
+    part = sinv_prune.Part("experts", "random", 0.25)
+    assert part.mode == "uniform"
+    summary = sinv_prune.Pruner([part]).prune(model)
+    assert [len(c.removed) for c in summary.experts] == [1, 1]  # 3 of the 12 experts, one per MoE layer (floor)
+    record = get_record(model.config)
+    assert record.stock_layout and sorted(record.pruned_experts) == moe_layers(model)
+
+
+def test_cli_prune_experts_and_info(tmp_path):
+    source, out = tmp_path / "moe", tmp_path / "pruned"
+    fresh("mixtral").save_pretrained(source)
+    runner = CliRunner()
+    result = runner.invoke(main, ["prune", str(source), str(out), "--experts", "0:1,5;2:3"])
+    assert result.exit_code == 0, result.output
+    assert "experts removed" in result.output
+    info = runner.invoke(main, ["info", str(out)])
+    assert info.exit_code == 0, info.output
+    assert "trust_remote_code" in info.output
+    assert "experts kept 4/6 removed [1, 5]" in info.output and "experts kept 5/6 removed [3]" in info.output
+    bad = runner.invoke(main, ["prune", str(source), str(tmp_path / "bad"), "--experts", "0:0-4"])
+    assert bad.exit_code == 2 and "fewer than num_experts_per_tok=2" in bad.output
+    assert not (tmp_path / "bad").exists()
