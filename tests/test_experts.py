@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import re
 
 import pytest
@@ -164,6 +165,8 @@ def test_uniform_cut_reloads_on_the_stock_class_in_per_expert_keys(family, tmp_p
     # The family's own per-expert keys (mlp.experts.<id>.gate_proj, Mixtral's block_sparse_moe.experts.<id>.w1).
     ids = {m.group(1) for n in names if (m := re.match(rf"model\.layers\.{layer}\.\w+\.experts\.(\d+)\.", n))}
     assert ids == {str(e) for e in range(EXPERTS - 2)}
+    saved = json.loads((tmp_path / "config.json").read_text())["sinv_prune"]
+    assert saved["num_experts"] == EXPERTS and saved["pruned_experts"] == {str(k): v for k, v in plan.items()}
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # no remote code
     assert type(reloaded).__name__ == type(model).__name__
     torch.testing.assert_close(logits(reloaded), expected, atol=1e-6, rtol=0)

@@ -30,23 +30,23 @@ ROOT = Path(sinv_prune.__file__).resolve().parent
 
 
 def test_builtin_units_are_registered_in_order():
-    assert unit_names() == ("heads", "mlp", "layers")
-    assert [get_unit(n).plural for n in unit_names()] == ["heads", "channels", "layers"]
+    assert unit_names() == ("heads", "mlp", "experts", "layers")
+    assert [get_unit(n).plural for n in unit_names()] == ["heads", "channels", "experts", "layers"]
     assert get_unit("layers").whole_layers and not get_unit("mlp").whole_layers
 
 
 def test_unknown_unit_is_one_line_naming_it_and_the_known():
-    with pytest.raises(ValueError, match=r"^unknown unit 'experts'; choose one of heads, mlp, layers$"):
-        get_unit("experts")
+    with pytest.raises(ValueError, match=r"^unknown unit 'neurons'; choose one of heads, mlp, experts, layers$"):
+        get_unit("neurons")
 
 
 def test_a_taken_name_is_refused_and_unregistering_an_unknown_one_raises():
     with pytest.raises(ValueError, match="unit 'mlp' is already registered"):
         register_unit(type(MLP)())
-    with pytest.raises(ValueError, match="unit 'experts' is not registered"):
-        unregister_unit("experts")
+    with pytest.raises(ValueError, match="unit 'neurons' is not registered"):
+        unregister_unit("neurons")
     with pytest.raises(TypeError, match="takes a Unit instance"):
-        register_unit("experts")
+        register_unit("neurons")
 
 
 # -- unknown units in a plan, a recipe, a record -----------------------------------------------
@@ -55,32 +55,34 @@ def test_a_taken_name_is_refused_and_unregistering_an_unknown_one_raises():
 def test_unknown_unit_in_a_plan_fails_naming_it_and_leaves_the_model():
     model = tiny_model("llama")
     before = model_output(model, model_inputs())
-    with pytest.raises(ValueError, match=r"^unknown plan keys \['experts'\]: a plan has 'heads', 'mlp', 'layers'$"):
-        sinv_prune.prune(model, {"experts": {0: [1]}})
+    with pytest.raises(
+        ValueError, match=r"^unknown plan keys \['neurons'\]: a plan has 'heads', 'mlp', 'experts', 'layers'$"
+    ):
+        sinv_prune.prune(model, {"neurons": {0: [1]}})
     assert torch.equal(model_output(model, model_inputs()), before) and get_record(model.config) is None
 
 
 def test_unknown_unit_in_a_recipe_fails_naming_it():
-    data = {**_recipe(), "prune": {"arms": [{"criterion": "random", "unit": "experts", "amount": 2}]}}
+    data = {**_recipe(), "prune": {"arms": [{"criterion": "random", "unit": "neurons", "amount": 2}]}}
     with pytest.raises(RecipeError) as err:
         validate_recipe(data)
-    assert "prune.arms[0].unit" in str(err.value) and "'experts'" in str(err.value)
+    assert "prune.arms[0].unit" in str(err.value) and "'neurons'" in str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_unknown_record_key_fails_naming_it():
     data = _record().to_json()
-    data["pruned_experts"] = {"0": [1]}
-    with pytest.raises(ValueError, match=r"unknown keys \['pruned_experts'\]") as err:
+    data["pruned_neurons"] = {"0": [1]}
+    with pytest.raises(ValueError, match=r"unknown keys \['pruned_neurons'\]") as err:
         PruningRecord.from_json(data)
     assert "\n" not in str(err.value)
 
 
 def test_a_newer_records_unknown_unit_is_refused_in_one_line():
-    data = {**_record().to_json(), "version": "99.0.0", "pruned_experts": {"0": [1]}}
+    data = {**_record().to_json(), "version": "99.0.0", "pruned_neurons": {"0": [1]}}
     with pytest.raises(ValueError, match=r"written by sinv_prune 99\.0\.0, newer than this .*upgrade") as err:
         PruningRecord.from_json(data)
-    assert "pruned_experts" in str(err.value) and "\n" not in str(err.value)
+    assert "pruned_neurons" in str(err.value) and "\n" not in str(err.value)
     assert PruningRecord.from_json(_record().to_json()).version == __version__  # a known record still loads
 
 
@@ -89,15 +91,15 @@ def test_a_saved_checkpoint_with_a_newer_records_unit_does_not_load(tmp_path):
     sinv_prune.prune(model, {"mlp": {0: [1]}})
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["sinv_prune"].update(version="99.0.0", pruned_experts={"0": [1]})
+    config["sinv_prune"].update(version="99.0.0", pruned_neurons={"0": [1]})
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"written by sinv_prune 99\.0\.0.*\['pruned_experts'\].*upgrade"):
+    with pytest.raises(ValueError, match=r"written by sinv_prune 99\.0\.0.*\['pruned_neurons'\].*upgrade"):
         sinv_prune.from_pretrained(tmp_path)
 
 
 # -- no unit-name tests outside sinv_prune/units/ ----------------------------------------------
 
-_NAMES = "|".join(re.escape(n) for n in ("heads", "mlp", "layers"))
+_NAMES = "|".join(re.escape(n) for n in ("heads", "mlp", "experts", "layers"))
 _LITERAL = rf"""["'](?:{_NAMES})["']"""
 #: Comparisons with a unit name and membership tests naming one: ``== "mlp"``, ``in ("heads", ...)``.
 STRING_TEST = re.compile(
@@ -296,7 +298,8 @@ def test_each_unit_names_the_saved_record_field_it_writes(tmp_path):
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())["sinv_prune"]
     record = get_record(sinv_prune.from_pretrained(tmp_path).config)
-    for name in unit_names():
+    assert "pruned_experts" not in saved  # a dense model's record is written as before experts existed
+    for name in plan:
         unit = get_unit(name)
         assert {"heads": "pruned_heads", "mlp": "pruned_mlp", "layers": "removed_layers"}[name] == unit.record_field
         assert unit.to_json(unit.recorded(record)) == saved[unit.record_field] == unit.to_json(plan[name])

@@ -153,7 +153,7 @@ def _summary(config, record, base_class, base_id, recipe, row, stage, params, pa
     kv = f", {record.num_kv_heads} KV heads originally" if record.num_kv_heads != record.num_heads else ""
     lines.append(f"- **Shape:** {record.num_layers} layers, {per_layer} of {record.num_heads} heads kept per layer "
                  f"(head dim {record.head_dim}{kv}).")  # fmt: skip
-    others = [kind for kind in units() if kind.card_label]  # every unit the headline does not cover
+    others = [kind for kind in units() if kind.card_label and kind.applies(record)]  # beside the headline
     if any(kind.recorded(record) for kind in others):
         labels = [kind.card_label for kind in others]
         label = " and ".join([", ".join(labels[:-1]), labels[-1]]) if len(labels) > 1 else labels[0]

@@ -160,6 +160,10 @@ class Unit(ABC):
     #: The word the Hub card's summary line gives this unit (``""``: the unit is not in that line).
     card_label: ClassVar[str] = ""
 
+    def applies(self, record) -> bool:
+        """Whether the recorded model has this unit at all (a dense model has no experts)."""
+        return True
+
     def card_text(self, record) -> str:
         """This unit's phrase in the Hub card's summary line (when ``card_label`` is set)."""
         return ""

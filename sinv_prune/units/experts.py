@@ -171,6 +171,9 @@ class ExpertsUnit(Unit):
         removed = record.pruned_experts.get(layer, [])
         return f"  experts kept {record.num_experts - len(removed)}/{record.num_experts} removed {removed}"
 
+    def applies(self, record) -> bool:
+        return record.num_experts is not None
+
     def card_text(self, record):
         if not record.pruned_experts:
             return ""
