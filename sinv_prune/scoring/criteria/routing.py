@@ -1,13 +1,14 @@
 """Expert scores from what the routers do on calibration text: ``frequency``, ``reap``, ``ean``.
 
-Each MoE layer's experts module is called with the layer's tokens ``x`` ``[T, H]``, the top-k
-experts the router picked for each (``top_k_index`` ``[T, k]``) and their gate weights
-(``top_k_weights``, after any top-k renormalisation: the weights the layer multiplies the expert
-outputs by). A forward pre-hook on that module reads the three (eval mode, no gradients; tokens with
-``attention_mask == 0`` left out) and, for ``reap`` and ``ean``, recomputes each routed expert's
-output ``f_e(x) = W_down^e (act(W_gate^e x) * W_up^e x)`` in float32 (float64 for float64 models).
-Per expert it keeps, in float64, the number of tokens routed to it, the sum of ``||f_e(x)||_2``
-and the sum of ``g_e(x) ||f_e(x)||_2``: O(experts) per layer, whatever the token count.
+Each MoE layer's router returns its logits for the layer's tokens, and the layer's experts module is
+called with those tokens ``x`` ``[T, H]`` and the top-k experts the router picked for each
+(``top_k_index`` ``[T, k]``). A forward hook on the router keeps the logits, a forward pre-hook on the
+experts module reads the rest (eval mode, no gradients; tokens with ``attention_mask == 0`` left out)
+and, for ``reap`` and ``ean``, recomputes each routed expert's output
+``f_e(x) = W_down^e (act(W_gate^e x) * W_up^e x)`` in float32 (float64 for float64 models). Per
+expert it keeps, in float64, the number of tokens routed to it, the sum of ``||f_e(x)||_2`` and the
+sum of ``g_e(x) ||f_e(x)||_2``, ``g_e(x)`` the router's softmax probability of ``e`` (REAP's gate
+value): O(experts) per layer, whatever the token count.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class RoutingCriterion(Criterion):
     units = ("experts",)
     #: Whether the scores need the experts' outputs (``frequency`` only counts).
     uses_outputs: ClassVar[bool] = True
+    #: Whether the scores need the gate values (the router's logits).
+    uses_gates: ClassVar[bool] = False
+    #: Gate values divided by their sum over the token's top k (REAP's ``renormalize_router_weights``).
+    renormalize: bool = False
 
     def __init__(self):
         self.reset()
@@ -49,12 +54,14 @@ class RoutingCriterion(Criterion):
         if not any(counts):
             raise ValueError(f"{self.name}: the model has no mixture-of-experts layers: there are no experts to score")
         seen: dict[int, dict[str, torch.Tensor]] = {}
-        hooks = [
+        logits: dict[int, torch.Tensor] = {}
+        moe = [layer for layer, n in enumerate(counts) if n]
+        routers = moe if self.uses_gates else []
+        hooks = [adapter.router(layer).register_forward_hook(_keep_logits(logits, layer)) for layer in routers] + [
             adapter.experts(layer).register_forward_pre_hook(
-                _collect(seen, layer, batch.get("attention_mask"), self.uses_outputs, self.name), with_kwargs=True
+                _collect(seen, logits, layer, batch.get("attention_mask"), self), with_kwargs=True
             )
-            for layer, n in enumerate(counts)
-            if n
+            for layer in moe
         ]
         observe(model, batch, hooks)
         self._merge(seen, counts)
@@ -124,18 +131,28 @@ class FrequencyCriterion(RoutingCriterion):
 
 @register_criterion("reap")
 class ReapCriterion(RoutingCriterion):
-    """REAP (Lasby et al. 2025, Cerebras, "REAP: Router-weighted Expert Activation Pruning").
+    """REAP, router-weighted expert activation pruning (Lasby et al. 2025, Cerebras, "REAP the Experts:
+    Why Pruning Prevails for One-Shot MoE Compression").
 
-    Score of expert ``e`` = the mean, over the calibration tokens routed to it, of its gate weight
+    Score of expert ``e`` = the mean, over the calibration tokens routed to it, of its gate value
     times the norm of its output, ``mean_{x routed to e} g_e(x) ||f_e(x)||_2``: how much the expert
-    adds to the layer's output when it is used, whatever how often. An expert never routed scores 0
-    and goes first. ``g_e(x)`` is the weight the layer applies (renormalised over the top k where the
-    model does so). Data: calibration batches.
+    adds to the layer's output when it is used, however often that is. An expert never routed scores
+    0 and goes first. ``g_e(x)`` is the router's softmax probability of ``e`` over all experts, as in
+    the authors' code; ``renormalize=True`` divides it by the sum over the token's top k (their
+    ``renormalize_router_weights``), which is the weight the layer applies where the model
+    renormalises (Mixtral; Qwen-MoE and OLMoE with ``norm_topk_prob``). Data: calibration batches.
 
     .. code-block:: yaml
 
         criterion: reap
+        options: {renormalize: false}
     """
+
+    uses_gates = True
+
+    def __init__(self, renormalize: bool = False):
+        self.renormalize = bool(renormalize)
+        super().__init__()
 
     def _layer_scores(self, stats):
         return torch.where(stats["routed"] > 0, stats["gated_norm_sum"] / stats["routed"].clamp_min(1), 0.0)
@@ -156,21 +173,37 @@ class EanCriterion(RoutingCriterion):
         return stats["norm_sum"].clone()
 
 
-def _inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(hidden_states, top_k_index, top_k_weights)`` of an experts call, positional or by keyword."""
-    names = ("hidden_states", "top_k_index", "top_k_weights")
-    values = list(args[:3]) + [kwargs.get(name) for name in names[len(args[:3]) :]]
+def _inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden_states, top_k_index)`` of an experts call, positional or by keyword."""
+    names = ("hidden_states", "top_k_index")
+    values = list(args[:2]) + [kwargs.get(name) for name in names[len(args[:2]) :]]
     if any(not isinstance(v, torch.Tensor) for v in values):
         raise ValueError(f"experts module called without ({', '.join(names)})")
-    return values[0], values[1], values[2]
+    return values[0], values[1]
 
 
-def _collect(store: dict, layer: int, mask, outputs: bool, name: str):
+def _keep_logits(store: dict, layer: int):
+    """A forward hook on one layer's router keeping its logits ``[T, E]`` (its first output)."""
+
+    def hook(module, args, output):
+        store[layer] = output[0].detach()
+
+    return hook
+
+
+def _collect(store: dict, logits: dict, layer: int, mask, criterion: RoutingCriterion):
     """A forward pre-hook on one layer's experts module keeping per-expert counts and output-norm sums."""
+    name = criterion.name
 
     def hook(module, args, kwargs):
-        hidden, index, weights = _inputs(args, kwargs)
-        hidden, index, weights = hidden.detach(), index.detach(), weights.detach()
+        hidden, index = (t.detach() for t in _inputs(args, kwargs))
+        gates = None
+        if criterion.uses_gates:
+            if layer not in logits:
+                raise ValueError(f"{name}: layer {layer}: the experts ran before the router")
+            gates = torch.softmax(logits.pop(layer).to(hidden.device, torch.float64), dim=-1)
+            if criterion.renormalize:
+                gates = gates / gates.gather(1, index).sum(-1, keepdim=True)
         if isinstance(mask, torch.Tensor):
             if mask.numel() != hidden.shape[0]:
                 raise ValueError(
@@ -178,18 +211,20 @@ def _collect(store: dict, layer: int, mask, outputs: bool, name: str):
                     f"{hidden.shape[0]} tokens of the experts' input"
                 )
             keep = mask.reshape(-1).to(hidden.device) != 0
-            hidden, index, weights = hidden[keep], index[keep], weights[keep]
+            hidden, index = hidden[keep], index[keep]
+            gates = None if gates is None else gates[keep]
         count = module.gate_up_proj.shape[0]
         routed = torch.zeros(count, dtype=torch.float64, device=hidden.device)
         norm_sum, gated_sum = torch.zeros_like(routed), torch.zeros_like(routed)
         routed.index_add_(0, index.reshape(-1), torch.ones(index.numel(), dtype=torch.float64, device=hidden.device))
-        if outputs:
+        if criterion.uses_outputs:
             dtype = torch.float64 if module.gate_up_proj.dtype == torch.float64 else torch.float32
             for expert in routed.nonzero().flatten().tolist():
-                token, slot = torch.where(index == expert)
+                token = torch.where(index == expert)[0]
                 norms = _expert_output(module, expert, hidden[token].to(dtype)).norm(dim=-1).double()
                 norm_sum[expert] = norms.sum()
-                gated_sum[expert] = (weights[token, slot].double() * norms).sum()
+                if gates is not None:
+                    gated_sum[expert] = (gates[token, expert] * norms).sum()
         store[layer] = {
             "routed": routed,
             "norm_sum": norm_sum,
