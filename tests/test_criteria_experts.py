@@ -24,17 +24,24 @@ ROUTING = ("frequency", "reap", "ean")
 
 
 def moe_model(kind: str = "qwen3_moe", seed: int = 0, **overrides) -> transformers.PreTrainedModel:
-    """A tiny random MoE model in eval mode: Qwen3-MoE with a dense layer 1, or Mixtral (every layer MoE)."""
+    """A tiny random MoE model in eval mode: Qwen3-MoE with a dense layer 1, Qwen2-MoE (a shared expert,
+    dense layer 1), Mixtral or OLMoE (every layer MoE)."""
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, num_experts_per_tok=2)  # fmt: skip
+                  num_key_value_heads=2, num_experts_per_tok=2)  # fmt: skip
     if kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            **common, moe_intermediate_size=16, intermediate_size=24, num_experts=6, mlp_only_layers=[1], **overrides
+        cls, sizes = transformers.Qwen3MoeForCausalLM, dict(head_dim=8, moe_intermediate_size=16, num_experts=6)
+        config = cls.config_class(**common, **sizes, intermediate_size=24, mlp_only_layers=[1], **overrides)
+    elif kind == "qwen2_moe":
+        cls, sizes = transformers.Qwen2MoeForCausalLM, dict(moe_intermediate_size=16, num_experts=6)
+        config = cls.config_class(
+            **common, **sizes, intermediate_size=24, shared_expert_intermediate_size=8, mlp_only_layers=[1], **overrides
         )
-        cls = transformers.Qwen3MoeForCausalLM
-    else:
-        config = transformers.MixtralConfig(**common, intermediate_size=16, num_local_experts=5, **overrides)
+    elif kind == "mixtral":
         cls = transformers.MixtralForCausalLM
+        config = cls.config_class(**common, head_dim=8, intermediate_size=16, num_local_experts=5, **overrides)
+    else:
+        cls = transformers.OlmoeForCausalLM
+        config = cls.config_class(**common, intermediate_size=16, num_experts=5, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(config).eval()
@@ -125,7 +132,7 @@ def test_units_and_dense_layers():
 # -- routing statistics ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
 def test_frequency_counts_the_routers_top_k(kind):
     model = moe_model(kind)
     batches = [batch(0), batch(1, rows=2, length=7)]
@@ -151,8 +158,10 @@ def test_frequency_counts_the_routers_top_k(kind):
 
 
 @pytest.mark.parametrize(
-    "kind,norm,renormalize", [("qwen3_moe", False, False), ("qwen3_moe", True, True), ("mixtral", None, False)]
-)
+    "kind,norm,renormalize",
+    [("qwen3_moe", False, False), ("qwen3_moe", True, True), ("qwen2_moe", None, False), ("mixtral", None, True),
+     ("olmoe", None, False)],
+)  # fmt: skip
 def test_reap_and_ean_equal_a_direct_computation(kind, norm, renormalize):
     model = moe_model(kind, **({} if norm is None else {"norm_topk_prob": norm}))
     inputs = batch(2, rows=2, length=6)

@@ -154,6 +154,10 @@ class ReapCriterion(RoutingCriterion):
         self.renormalize = bool(renormalize)
         super().__init__()
 
+    def report(self) -> dict:
+        gate = "softmax probability / its sum over the top k" if self.renormalize else "softmax probability"
+        return {**super().report(), "gate": gate}
+
     def _layer_scores(self, stats):
         return torch.where(stats["routed"] > 0, stats["gated_norm_sum"] / stats["routed"].clamp_min(1), 0.0)
 
