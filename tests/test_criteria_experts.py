@@ -315,6 +315,15 @@ def test_dense_trace_format_is_unchanged(tmp_path):
     assert head_measures(tiny_model("llama"), keys=["C_FF_experts"])["C_FF_experts"] == [[], [], []]
 
 
+def test_a_measure_of_the_wrong_shape_is_refused():
+    model = moe_model()
+    with pytest.raises(ValueError, match=r"unit 'heads' is scored by a per-head measure .*, not 'C_FF_experts'"):
+        get_criterion("sinv_static", measure="C_FF_experts").compute(model)
+    with pytest.raises(ValueError, match=r"not 'C_FF'"):
+        get_criterion("sinv_static", measure="C_FF").compute(model)
+    assert get_criterion("sinv_static", measure="C_V").compute(model) == head_measures(model)["C_V"]
+
+
 # -- pruning with them ----------------------------------------------------------------------------
 
 

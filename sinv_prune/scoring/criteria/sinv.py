@@ -31,14 +31,16 @@ UNITS = tuple(DEFAULT_MEASURES)
 
 
 def _measure_key(criterion: Criterion, measure: str | None) -> str:
-    """The measure the criterion scores its unit by: ``measure``, checked, or the unit's default."""
-    from sinv_prune.scoring.measures import PER_HEAD_KEYS
+    """The measure the criterion scores its unit by: the unit's default, or ``measure`` unless it is
+    one of another shape (per layer, or per expert for heads; anything but ``C_FF_experts`` for experts)."""
+    from sinv_prune.scoring.measures import EXPERT_KEYS, PER_LAYER_KEYS
 
     if measure is None:
         return DEFAULT_MEASURES[criterion.unit]
-    fits = PER_HEAD_KEYS if criterion.unit == "heads" else ("C_FF_experts",)
-    if measure not in fits:
-        raise ValueError(f"{criterion.name}: unit {criterion.unit!r} is scored by {' / '.join(fits)}, not {measure!r}")
+    experts = criterion.unit == "experts"
+    if (measure not in EXPERT_KEYS) if experts else (measure in EXPERT_KEYS + PER_LAYER_KEYS):
+        want = "C_FF_experts" if experts else "a per-head measure (C_Q, C_V, C_QK_gauge)"
+        raise ValueError(f"{criterion.name}: unit {criterion.unit!r} is scored by {want}, not {measure!r}")
     return measure
 
 
