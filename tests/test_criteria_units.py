@@ -21,14 +21,17 @@ from sinv_prune.scoring.criteria import (
 from sinv_prune.scoring.criteria.base import frozen_parameters
 
 EXPECTED_UNITS = {
-    "random": ("heads", "mlp", "layers"),
-    "magnitude": ("heads", "mlp"),
+    "random": ("heads", "mlp", "experts", "layers"),
+    "magnitude": ("heads", "mlp", "experts"),
     "taylor": ("heads", "mlp"),
     "activation": ("heads", "mlp"),
     "entropy": ("heads",),
-    "sinv_static": ("heads",),
+    "sinv_static": ("heads", "experts"),
     "sinv_gauge": ("heads",),
-    "sinv_early": ("heads",),
+    "sinv_early": ("heads", "experts"),
+    "frequency": ("experts",),
+    "reap": ("experts",),
+    "ean": ("experts",),
     "block_influence": ("layers",),
     "sinv_depth": ("layers",),
 }

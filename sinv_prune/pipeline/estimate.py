@@ -496,7 +496,7 @@ def _score_seconds(name: str, recipe: Recipe, probe: Probe, tokens: dict[str, in
     if name.startswith("sinv"):
         return probe.measures_s, "S-invariant measures of every head"
     if cls.needs_data:
-        forward_only = name in ("entropy", "activation")
+        forward_only = name in ("entropy", "activation", "frequency", "reap", "ean")
         per_batch = (probe.forward if forward_only else probe.forward_backward)(spec.batch_size * seq_len)
         return batches * per_batch, f"{batches} batches of {spec.batch_size}x{seq_len} tokens"
     return probe.param_bytes / probe.read_bps, "one pass over the weights"

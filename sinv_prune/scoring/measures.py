@@ -10,7 +10,9 @@ that keep the paper's meaning (recorded under ``"meta"`` in every result):
 
 * ``C_V``: per head, the OV circuit ``W_O^h W_V^h`` (``d_model x d_model``);
 * ``C_V_layer``: per layer, ``W_V`` itself where it is square (else ``None``);
-* ``C_FF``: per layer, the MLP's linear path ``W_out W_in`` (gated MLPs: ``W_down W_up``).
+* ``C_FF``: per layer, the MLP's linear path ``W_out W_in`` (gated MLPs: ``W_down W_up``);
+* ``C_FF_experts``: per mixture-of-experts layer, ``C_FF`` of every routed expert's ``W_down W_up``
+  (a MoE layer's ``C_FF`` is ``None``: it has no dense MLP). Only models with experts carry it.
 
 ``C_QK_gauge`` is a gauge-invariant variant of ``C_Q``: attention is unchanged by
 ``W_Q^h -> A W_Q^h, W_K^h -> A^{-T} W_K^h`` for any invertible ``A``, which leaves
@@ -52,10 +54,12 @@ from sinv_prune.arch import get_adapter
 
 __all__ = [
     "ALL_KEYS",
+    "EXPERT_KEYS",
     "c_product",
     "c_q",
     "c_qk_gauge",
     "c_square",
+    "expert_measures",
     "head_measures",
     "layer_measures",
     "measure_summary",
@@ -64,6 +68,8 @@ __all__ = [
 PER_HEAD_KEYS = ("C_Q", "C_V", "C_QK_gauge")
 PER_LAYER_KEYS = ("C_V_layer", "C_FF")
 ALL_KEYS = PER_HEAD_KEYS + PER_LAYER_KEYS
+#: Per-expert keys: computed for models with experts (or when asked for), absent from dense models' results.
+EXPERT_KEYS = ("C_FF_experts",)
 
 FORMS = {
     "C_Q": "||W_Q^h + W_K^h||_F / (||W_Q^h||_F + ||W_K^h||_F), d_head x d_model slices, "
@@ -73,6 +79,8 @@ FORMS = {
     "C_V_layer": "C(W_V) on the layer's W_V itself where it is square (KV*d_head == d_model), else null "
     "(paper's exact formula)",
     "C_FF": "C(W) on the MLP's linear path W = W_out W_in (gated: W_down W_up)",
+    "C_FF_experts": "C_FF per routed expert, W = W_down^e W_up^e (d_model x d_model, not formed); "
+    "a list per layer, empty for a dense layer",
     "C_QK_gauge": "||M - P(M)||_F / ||M||_F, M = W_Q^h^T W_K^h, P = projection onto symmetric NSD matrices; "
     "invariant under W_Q -> A W_Q, W_K -> A^-T W_K",
     "zero_norm": "0.0 where the denominator is exactly zero (zero weights satisfy the attractor condition)",
@@ -283,6 +291,26 @@ def layer_measures(adapter, layer: int, keys: Iterable[str] = ALL_KEYS) -> dict:
     return out
 
 
+@torch.no_grad()
+def expert_measures(model: nn.Module) -> list[list[float]]:
+    """``C_FF`` of every routed expert's ``W_down W_up``: a list per layer (``[]`` for a dense layer).
+
+    All experts of a layer at once through :func:`c_product` (float64 ``I x I`` Gram blocks; the
+    ``d_model x d_model`` product is never formed).
+    """
+    adapter = get_adapter(model)
+    out = []
+    for layer in range(adapter.num_layers):
+        if not adapter.num_experts(layer):
+            out.append([])
+            continue
+        experts = adapter.experts(layer)
+        width = adapter.expert_width(layer)
+        up = experts.gate_up_proj[:, width:]  # [E, I, H]: the up rows follow the gate rows
+        out.append(c_product(experts.down_proj, up).tolist())
+    return out
+
+
 # -- public API ---------------------------------------------------------------------------
 
 
@@ -294,27 +322,34 @@ def head_measures(model: nn.Module, keys: Iterable[str] | None = None) -> dict:
     ``"C_Q"``, ``"C_V"``, ``"C_QK_gauge"``: per layer a list per query head (empty for a
     layer without heads); ``"C_V_layer"``: per layer a float or ``None`` (``W_V`` not square);
     ``"C_FF"``: per layer a float; ``"meta"``: the form of each number and the layer head counts.
-    Computed in float32 on each layer's own device, whatever the model's dtype; heads are
+    A model with experts adds ``"C_FF_experts"`` (per layer a list per expert, empty for a dense
+    layer; :func:`expert_measures`) and ``meta["num_experts"]``; a dense model's result has neither
+    unless ``keys`` names it. Computed in float32 on each layer's own device, whatever the model's dtype; heads are
     numbered as the (possibly pruned) layers have them now. ``keys`` limits the computation
     to a subset of the measures (``"meta"`` is always present).
     """
     adapter = get_adapter(model)
-    wanted = ALL_KEYS if keys is None else tuple(keys)
-    unknown = set(wanted) - set(ALL_KEYS)
+    experts = [adapter.num_experts(i) for i in range(adapter.num_layers)]
+    wanted = ALL_KEYS + (EXPERT_KEYS if any(experts) else ()) if keys is None else tuple(keys)
+    unknown = set(wanted) - set(ALL_KEYS + EXPERT_KEYS)
     if unknown:
-        raise ValueError(f"unknown measures {sorted(unknown)}; choose from {list(ALL_KEYS)}")
+        raise ValueError(f"unknown measures {sorted(unknown)}; choose from {list(ALL_KEYS + EXPERT_KEYS)}")
     result: dict = {k: [] for k in ALL_KEYS if k in wanted}
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
     for layer in range(adapter.num_layers):
         values = layer_measures(adapter, layer, wanted)
         for k in result:
             result[k].append(values[k])
+    if "C_FF_experts" in wanted:
+        result["C_FF_experts"] = expert_measures(model)
     result["meta"] = {
-        "forms": {k: v for k, v in FORMS.items() if k in result or k not in ALL_KEYS},
+        "forms": {k: v for k, v in FORMS.items() if k in result or k not in ALL_KEYS + EXPERT_KEYS},
         "num_heads": [lay.num_heads for lay in layouts],
         "num_kv_heads": [lay.num_kv_heads for lay in layouts],
         "head_dim": [lay.head_dim for lay in layouts],
     }
+    if "C_FF_experts" in result:
+        result["meta"]["num_experts"] = experts
     return result
 
 

@@ -1,7 +1,8 @@
 """The convergence trace: JSON lines, one record of measures per tracking event.
 
 Each measurement line is ``{"step": int, "epoch": float | None, **head_measures(model)}``,
-so it carries ``"C_Q"`` (per layer, per query head) and the other measures. Lines
+so it carries ``"C_Q"`` (per layer, per query head) and the other measures (a model with experts
+also ``"C_FF_experts"``, per layer per routed expert, which ``sinv_early`` reads for experts). Lines
 with an ``"event"`` key are notes (the stopping rule fired, or never did).
 """
 

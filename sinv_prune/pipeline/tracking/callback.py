@@ -50,8 +50,9 @@ class ConvergenceCallback(TrainerCallback):
             rule is still evaluated and its firing written to the trace and the log.
         freeze_converged: freeze a head's Q/K/V/O slices once its ``C_Q`` is below
             ``freeze_threshold`` (default: ``threshold``); see :class:`HeadFreezer`.
-        keys: the measures to compute (default: all of ``head_measures``); must include the
-            rule's ``measures`` (and ``C_Q`` when freezing).
+        keys: the measures to compute (default: all of ``head_measures``, with the per-expert
+            ``C_FF_experts`` for a model with experts); must include the rule's ``measures``
+            (and ``C_Q`` when freezing).
         log_to_trainer: add summary scalars (:func:`log_scalars`) to the Trainer's logs. They
             reach the Trainer's ``log_history`` and every callback called after this one;
             reporting integrations (TensorBoard, W&B) are created before user callbacks, so

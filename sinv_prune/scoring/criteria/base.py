@@ -7,6 +7,7 @@ instance scores ``criterion.unit``, chosen by ``get_criterion(name, unit=...)``,
 * ``"heads"``: shaped like ``head_measures(model)["C_Q"]``, a list per layer of floats per
   current query head;
 * ``"mlp"``: a list per layer of floats per current MLP channel (the down projection's inputs);
+* ``"experts"``: a list per layer of floats per current routed expert (``[]`` for a dense layer);
 * ``"layers"``: a list with one float per current layer.
 
 A criterion never changes weights. A stateful criterion has one lifecycle the caller drives:

@@ -26,13 +26,17 @@ class MagnitudeCriterion(Criterion):
     (``adapter.mlp_in``: gate and up for gated MLPs) and column ``j`` of the down projection;
     its score is the ``p``-norm of those weights together (biases excluded).
 
+    ``unit="experts"``: the ``p``-norm of the routed expert's own weights (its gate, up and down
+    projections; the router's row for it is left out, as it scores how often the expert is
+    picked rather than what it computes). Dense layers get ``[]``.
+
     .. code-block:: yaml
 
         criterion: magnitude
         options: {p: 2}
     """
 
-    units = ("heads", "mlp")
+    units = ("heads", "mlp", "experts")
 
     def __init__(self, p: float = 2):
         if p not in (1, 2):
@@ -43,6 +47,8 @@ class MagnitudeCriterion(Criterion):
         adapter = get_adapter(model)
         if get_unit(self.unit) is MLP:
             return [_channel_scores(adapter, layer, self.p) for layer in range(adapter.num_layers)]
+        if self.unit == "experts":
+            return [_expert_scores(adapter, layer, self.p) for layer in range(adapter.num_layers)]
         out = []
         with torch.no_grad():
             for layer in range(adapter.num_layers):
@@ -73,4 +79,16 @@ def _channel_scores(adapter, layer: int, p: float) -> list[float]:
     total = down.to(dtype).abs().pow(p).sum(0)
     for module in adapter.mlp_in(layer):
         total = total + linear_weight(module).detach().to(total.device, dtype).abs().pow(p).sum(1)
+    return [float(x) for x in total.pow(1 / p).double().cpu()]
+
+
+def _expert_scores(adapter, layer: int, p: float) -> list[float]:
+    """``||gate_up_proj[e], down_proj[e]||_p`` per routed expert ``e``; ``[]`` for a dense layer."""
+    if not adapter.num_experts(layer):
+        return []
+    experts = adapter.experts(layer)
+    with torch.no_grad():
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        dtype = torch.float64 if gate_up.dtype == torch.float64 else torch.float32
+        total = sum(w.to(gate_up.device, dtype).abs().pow(p).flatten(1).sum(1) for w in (gate_up, down))
     return [float(x) for x in total.pow(1 / p).double().cpu()]

@@ -7,6 +7,10 @@ attention patterns. Low C_Q is therefore pruned first: the scores below rise wit
 Both criteria take ``invert=True`` to reverse the order (highest C_Q pruned first), a control
 for the paper's claim, and ``measure=`` to use another per-head measure (``"C_QK_gauge"``).
 ``sinv_gauge`` is ``sinv_static`` on the gauge-invariant ``C_QK_gauge``.
+
+``sinv_static`` and ``sinv_early`` also score ``unit="experts"``: each routed expert is measured
+as the paper measures an MLP, by ``C_FF`` of its ``W_down W_up`` (``C_FF_experts``), with the
+same order (lowest pruned first) and options.
 """
 
 from __future__ import annotations
@@ -16,19 +20,34 @@ import os
 
 from torch import nn
 
-from sinv_prune.scoring.criteria.base import Criterion, Scores, TraceLike, head_counts
+from sinv_prune.scoring.criteria.base import Criterion, Scores, TraceLike, head_counts, unit_counts
 from sinv_prune.scoring.criteria.registry import register_criterion
 from sinv_prune.scoring.trace import read_trace
 from sinv_prune.surgery.record import get_record
+
+#: The measure each unit is scored by when ``measure`` is not given.
+DEFAULT_MEASURES = {"heads": "C_Q", "experts": "C_FF_experts"}
+UNITS = tuple(DEFAULT_MEASURES)
+
+
+def _measure_key(criterion: Criterion, measure: str | None) -> str:
+    """The measure the criterion scores its unit by: the unit's default, or ``measure`` unless it is
+    one of another shape (per layer, or per expert for heads; anything but ``C_FF_experts`` for experts)."""
+    from sinv_prune.scoring.measures import EXPERT_KEYS, PER_LAYER_KEYS
+
+    if measure is None:
+        return DEFAULT_MEASURES[criterion.unit]
+    experts = criterion.unit == "experts"
+    if (measure not in EXPERT_KEYS) if experts else (measure in EXPERT_KEYS + PER_LAYER_KEYS):
+        want = "C_FF_experts" if experts else "a per-head measure (C_Q, C_V, C_QK_gauge)"
+        raise ValueError(f"{criterion.name}: unit {criterion.unit!r} is scored by {want}, not {measure!r}")
+    return measure
 
 
 def _measure(model: nn.Module, measure: str) -> list[list[float]]:
     from sinv_prune.scoring.measures import head_measures
 
-    values = head_measures(model, keys=[measure])
-    if measure not in values:
-        raise ValueError(f"head_measures has no per-head measure {measure!r}")
-    return values[measure]
+    return head_measures(model, keys=[measure])[measure]
 
 
 @register_criterion("sinv_static")
@@ -38,18 +57,23 @@ class SinvStaticCriterion(Criterion):
     ``invert=True`` scores ``1 - C_Q`` instead (highest C_Q pruned first, a control).
     Data-free; one pass of :func:`~sinv_prune.scoring.measures.head_measures`.
 
+    ``unit="experts"``: score = ``C_FF`` of the expert's ``W_down W_up`` (``measure`` defaults to
+    ``C_FF_experts``); dense layers get ``[]``.
+
     .. code-block:: yaml
 
         criterion: sinv_static
         options: {measure: C_Q, invert: false}
     """
 
-    def __init__(self, measure: str = "C_Q", invert: bool = False):
+    units = UNITS
+
+    def __init__(self, measure: str | None = None, invert: bool = False):
         self.measure = measure
         self.invert = bool(invert)
 
     def scores(self, model: nn.Module) -> Scores:
-        values = _measure(model, self.measure)
+        values = _measure(model, _measure_key(self, self.measure))
         return [[1.0 - float(v) if self.invert else float(v) for v in layer] for layer in values]
 
 
@@ -70,6 +94,8 @@ class SinvGaugeCriterion(SinvStaticCriterion):
         criterion: sinv_gauge
         options: {invert: false}
     """
+
+    units = ("heads",)
 
     def __init__(self, invert: bool = False):
         super().__init__(measure="C_QK_gauge", invert=invert)
@@ -96,6 +122,10 @@ class SinvEarlyCriterion(Criterion):
     A trace recorded on the unpruned model applies to a pruned one too: its heads are
     mapped through the pruning record in the model's config.
 
+    ``unit="experts"``: the same rule per routed expert on ``C_FF_experts`` (the ``C_FF`` of each
+    expert's ``W_down W_up``, recorded by the tracking callback for models with experts); dense
+    layers get ``[]``. ``report()["crossed_experts"]`` names the experts that crossed.
+
     .. code-block:: yaml
 
         criterion: sinv_early
@@ -103,6 +133,7 @@ class SinvEarlyCriterion(Criterion):
     """
 
     needs_trace = True
+    units = UNITS
 
     def __init__(
         self,
@@ -110,7 +141,7 @@ class SinvEarlyCriterion(Criterion):
         threshold: float = 0.05,
         epochs: float | None = 15,
         invert: bool = False,
-        measure: str = "C_Q",
+        measure: str | None = None,
     ):
         if not threshold > 0:
             raise ValueError(f"sinv_early: threshold must be positive, got {threshold!r}")
@@ -131,8 +162,9 @@ class SinvEarlyCriterion(Criterion):
     def scores(self, model: nn.Module) -> Scores:
         if self.trace is None:
             raise ValueError("sinv_early needs a trace (a trace file or its records)")
-        window = self._window()
-        series = [_align(r[self.measure], model, self.measure) for r in window]
+        key = _measure_key(self, self.measure)
+        window = self._window(key)
+        series = [_align(r[key], model, key, self.unit) for r in window]
         counts = [len(layer) for layer in series[0]]
         out, crossing, minima, crossed_heads = [], [], [], {}
         for layer, n in enumerate(counts):
@@ -151,10 +183,10 @@ class SinvEarlyCriterion(Criterion):
         self.crossed = sum(len(h) for h in crossed_heads.values())
         self._report = {
             "crossed": self.crossed,
-            "crossed_heads": crossed_heads,
+            f"crossed_{self.unit}": crossed_heads,
             "threshold": self.threshold,
             "epochs": self.epochs,
-            "measure": self.measure,
+            "measure": key,
             "window_records": len(window),
             "window": [_when(window[0]), _when(window[-1])],
             "crossing": crossing,
@@ -162,16 +194,16 @@ class SinvEarlyCriterion(Criterion):
         }
         return out
 
-    def _window(self) -> list[dict]:
+    def _window(self, key: str) -> list[dict]:
         records = read_trace(self.trace) if isinstance(self.trace, (str, os.PathLike)) else list(self.trace)
-        records = [r for r in records if self.measure in r]
+        records = [r for r in records if key in r]
         if self.epochs is not None:
             if any(r.get("epoch") is None for r in records):
                 raise ValueError("sinv_early: trace records without an epoch; pass epochs=None to use the whole trace")
             records = [r for r in records if r["epoch"] <= self.epochs]
         if not records:
             raise ValueError(
-                f"sinv_early: the trace has no {self.measure} measurement"
+                f"sinv_early: the trace has no {key} measurement"
                 + (f" within the first {self.epochs} epochs" if self.epochs is not None else "")
             )
         return records
@@ -193,8 +225,10 @@ def _when(record: dict) -> dict:
     return {"step": record.get("step"), "epoch": record.get("epoch")}
 
 
-def _align(values: list[list[float]], model: nn.Module, measure: str) -> list[list[float]]:
-    """A trace record's per-head values in the model's current head numbering."""
+def _align(values: list[list[float]], model: nn.Module, measure: str, unit: str = "heads") -> list[list[float]]:
+    """A trace record's per-head (or per-expert) values in the model's current numbering."""
+    if unit == "experts":
+        return _align_experts(values, model, measure)
     counts = head_counts(model)
     shape = [len(layer) for layer in values]
     if shape == counts:
@@ -206,3 +240,20 @@ def _align(values: list[list[float]], model: nn.Module, measure: str) -> list[li
         f"sinv_early: the trace's {measure} has head counts {shape}, the model has {counts}"
         + (f" (originally {[record.num_heads] * record.num_layers})" if record else "")
     )
+
+
+def _align_experts(values: list[list[float]], model: nn.Module, measure: str) -> list[list[float]]:
+    """Per-expert trace values in the model's current numbering: as recorded, or, for a trace of the
+    unpruned model, through the pruning record (kept layers, then each layer's kept experts)."""
+    counts = unit_counts(model, "experts")
+    shape = [len(layer) for layer in values]
+    if shape == counts:
+        return values
+    record = get_record(model.config)
+    if record is not None and record.num_experts is not None and len(values) == record.num_layers:
+        layers = record.kept_layers()
+        if all(len(values[orig]) in (0, record.num_experts) for orig in layers):
+            mapped = [[values[orig][e] for e in record.kept_experts(orig)] if values[orig] else [] for orig in layers]
+            if [len(layer) for layer in mapped] == counts:
+                return mapped
+    raise ValueError(f"sinv_early: the trace's {measure} has expert counts {shape}, the model has {counts}")
