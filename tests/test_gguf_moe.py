@@ -147,6 +147,12 @@ ROUND_TRIP_EXTRAS = {
     "mixtral uniform heads and a removed layer": lambda: tiny_moe(
         "mixtral", {"heads": {i: [0, 2] for i in (1, 2)}, "layers": [0]}, num_hidden_layers=3
     ),
+    **{
+        f"{family} a removed layer and experts": lambda family=family: tiny_moe(
+            family, {"layers": [1], "experts": {0: [2, 3], 2: [0, 1]}}, num_hidden_layers=3
+        )
+        for family in ("qwen3_moe", "qwen2_moe", "olmoe")
+    },
     "qwen2_moe tied embeddings": lambda: tiny_moe("qwen2_moe", tie_word_embeddings=True),
     "olmoe tied embeddings": lambda: tiny_moe("olmoe", tie_word_embeddings=True),
 }
