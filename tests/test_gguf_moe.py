@@ -200,3 +200,26 @@ def test_the_routing_refusal_is_needed(tmp_path, monkeypatch, family):
     monkeypatch.setattr(arch, "renormalises", other)  # lifts the refusal, not llama.cpp's behaviour
     with pytest.raises(RoundTripFailed):
         export(tiny_moe(family, norm_topk_prob=other), tmp_path, verify=True)
+
+
+# -- command line: saved checkpoints, reloaded -------------------------------------------------------
+
+
+def test_cli_exports_a_saved_uniform_cut_and_refuses_a_per_layer_one(tmp_path):
+    pytest.importorskip("llama_cpp")
+    from click.testing import CliRunner
+
+    from sinv_prune.cli import main
+
+    tiny_moe("qwen3_moe", UNIFORM).save_pretrained(tmp_path / "uniform")  # stock config: num_experts 4
+    tiny_moe("qwen3_moe", PER_LAYER).save_pretrained(tmp_path / "per-layer")  # remote code
+    runner = CliRunner()
+    out = tmp_path / "u.gguf"
+    result = runner.invoke(main, ["export", str(tmp_path / "uniform"), str(out), "--type", "f32", "--no-vocab"])
+    assert result.exit_code == 0, result.output
+    assert "llama.cpp 'qwen3moe'" in result.output and "round trip passed" in result.output
+    assert gguf.GGUFReader(out).fields["qwen3moe.expert_count"].contents() == 4
+    refused = runner.invoke(main, ["export", str(tmp_path / "per-layer"), str(tmp_path / "p.gguf"), "--no-vocab"])
+    assert refused.exit_code == 2, refused.output
+    assert "one expert count per model" in refused.output.splitlines()[-1]
+    assert not (tmp_path / "p.gguf").exists() and not list(tmp_path.glob(".p.gguf*"))
