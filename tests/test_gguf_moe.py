@@ -165,6 +165,16 @@ def test_llama_cpp_matches_transformers_after_other_cuts(tmp_path, case):
     assert out.verify.passed and out.verify.top1_agreement == 1.0, out.verify
 
 
+@pytest.mark.parametrize("type_", ["f16", "q8_0", "q4_k_m"])
+def test_rounded_moe_files_load_and_report_their_agreement(tmp_path, type_):
+    pytest.importorskip("llama_cpp")
+    out = export(tiny_moe("qwen2_moe", UNIFORM), tmp_path, type=type_, verify=True)
+    assert out.arch == "qwen2moe" and not out.verify.exact_type and out.verify.passed  # reported, not judged
+    assert 0.0 < out.verify.top1_agreement <= 1.0 and out.verify.tokens == 24
+    router = next(t for t in gguf.GGUFReader(out.path).tensors if t.name == "blk.0.ffn_gate_inp.weight")
+    assert router.tensor_type == gguf.GGMLQuantizationType.F32  # llama.cpp's quantiser keeps routers too
+
+
 def _swap_two_experts(monkeypatch, name: str) -> None:
     """Write tensor ``name`` with experts 0 and 1 exchanged (what a wrong expert order would do)."""
     encode = gguf_export.encode
