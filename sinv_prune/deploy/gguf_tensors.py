@@ -1,8 +1,10 @@
 """A model's weights as llama.cpp tensors: GGUF names, orientation, RoPE row order, storage type.
 
 The weights come from ``model.state_dict()`` (which folds symmetry-breaking biases into the
-projection biases, as ``save_pretrained`` writes them). Names go through ``gguf.TensorNameMap``;
-GPT-2's ``Conv1D`` weights are transposed to ``[out, in]``; under ``llama`` / ``deci`` the q and
+projection biases, as ``save_pretrained`` writes them). Names go through ``gguf.TensorNameMap``
+after the architecture splits fused weights (a MoE layer's ``experts.gate_up_proj`` into llama.cpp's
+gate and up experts, :mod:`sinv_prune.deploy.archs.moe`); GPT-2's ``Conv1D`` weights are transposed
+to ``[out, in]``; under ``llama`` / ``deci`` the q and
 k rows (and biases) of each layer are permuted with that layer's head counts, as llama.cpp's
 ``convert_hf_to_gguf.py`` does for LLaMA (transformers rotates halves, llama.cpp pairs). Empty
 tensors (a layer with no heads) and all-zero biases are left out: llama.cpp's loaders treat the
