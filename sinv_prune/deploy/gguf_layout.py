@@ -2,9 +2,11 @@
 
 A model's per-layer shape (query heads, KV heads, MLP width) is read through its adapter. The
 candidates (:func:`sinv_prune.deploy.archs.candidates`), tried in order, are the family's own
-llama.cpp architecture (``llama`` for LLaMA and Mistral, ``qwen2``, ``qwen3``, ``gpt2``), then
+llama.cpp architecture (``llama`` for LLaMA, Mistral and Mixtral, ``qwen2``, ``qwen3``, ``gpt2``,
+``qwen2moe``, ``qwen3moe``, ``olmoe``), then
 ``llama`` (any head count, optional biases, for a uniform Qwen2 whose query width is no longer the
-hidden size), then ``deci`` (per-layer arrays, attention skipped where a layer has 0 heads). Each
+hidden size), then ``deci`` (per-layer arrays, attention skipped where a layer has 0 heads); a
+mixture-of-experts model has no fallback (no other architecture reads its experts). Each
 architecture's rules live in its own module under :mod:`sinv_prune.deploy.archs`. The first
 candidate that expresses the model exactly wins; when none does, the refusal names what llama.cpp
 lacks.
@@ -19,6 +21,7 @@ from torch import nn
 from sinv_prune.arch import get_adapter
 from sinv_prune.deploy.archs import GGUFArch, LayerShape, candidates, families, native_arch
 from sinv_prune.deploy.archs.llama_family import rope_parameters
+from sinv_prune.deploy.archs.moe import MOE_FAMILIES
 from sinv_prune.deploy.errors import ExportRefused
 
 __all__ = ["GGUFLayout", "LayerShape", "check_exportable", "plan_layout", "rope_parameters"]
@@ -50,7 +53,8 @@ class GGUFLayout:
 
 def check_exportable(model: nn.Module, verify: bool | None = None) -> GGUFArch:
     """The cheap refusals, before any weight is copied (also a recipe's preflight, before pruning):
-    the family, its language-model head, settings its llama.cpp architecture cannot reproduce."""
+    the family, its language-model head, settings its llama.cpp architecture cannot reproduce, and for a
+    mixture-of-experts model the per-layer shapes (expert counts, dense layers, heads) read from its modules."""
     family = model.config.model_type
     native = native_arch(family)
     if native is None:
@@ -58,6 +62,8 @@ def check_exportable(model: nn.Module, verify: bool | None = None) -> GGUFArch:
     if getattr(model, "lm_head", None) is None:
         raise ExportRefused(f"{type(model).__name__} has no language-model head; export the ...ForCausalLM model")
     native.check_config(model.config)
+    if family in MOE_FAMILIES:  # the shape refusals too (expert counts, dense layers), before any expert is copied
+        _choose(model.config, native, *layer_shapes(model), {})
     if verify:
         from sinv_prune.deploy.gguf_verify import PIP_HINT, llama_cpp_available
 
@@ -72,13 +78,25 @@ def plan_layout(model: nn.Module, biases: dict[int, set[str]]) -> GGUFLayout:
     ``biases`` maps each layer to the GGUF tensor kinds that carry a (non-zero) bias there.
     """
     native = check_exportable(model)
-    config = model.config
+    return _choose(model.config, native, *layer_shapes(model), biases)
+
+
+def layer_shapes(model: nn.Module) -> tuple[list[LayerShape], int]:
+    """Each layer's shape as llama.cpp sees it (heads, KV heads, MLP width, experts), and the head size."""
     adapter = get_adapter(model)
-    layers = [
-        LayerShape(adapter.layout(i).num_heads, adapter.layout(i).num_kv_heads, adapter.intermediate_size(i))
-        for i in range(adapter.num_layers)
-    ]
-    head_dim = adapter.layout(0).head_dim
+    layers = []
+    for i in range(adapter.num_layers):
+        attn = adapter.layout(i)
+        experts = adapter.num_experts(i) if hasattr(adapter, "num_experts") else 0
+        expert_ffn = adapter.expert_width(i) if experts else 0
+        shared = getattr(adapter.moe_block(i), "shared_expert", None) if experts else None
+        shared_ffn = shared.down_proj.weight.shape[1] if shared is not None else 0
+        layers.append(LayerShape(attn.num_heads, attn.num_kv_heads, adapter.intermediate_size(i), experts,
+                                 expert_ffn, shared_ffn))  # fmt: skip
+    return layers, adapter.layout(0).head_dim
+
+
+def _choose(config, native: GGUFArch, layers: list[LayerShape], head_dim: int, biases) -> GGUFLayout:
     reasons = []
     for arch in candidates(config.model_type):
         reason = arch.refusal(config, layers, head_dim, biases)

@@ -1,8 +1,10 @@
 """A model's weights as llama.cpp tensors: GGUF names, orientation, RoPE row order, storage type.
 
 The weights come from ``model.state_dict()`` (which folds symmetry-breaking biases into the
-projection biases, as ``save_pretrained`` writes them). Names go through ``gguf.TensorNameMap``;
-GPT-2's ``Conv1D`` weights are transposed to ``[out, in]``; under ``llama`` / ``deci`` the q and
+projection biases, as ``save_pretrained`` writes them). Names go through ``gguf.TensorNameMap``
+after the architecture splits fused weights (a MoE layer's ``experts.gate_up_proj`` into llama.cpp's
+gate and up experts, :mod:`sinv_prune.deploy.archs.moe`); GPT-2's ``Conv1D`` weights are transposed
+to ``[out, in]``; under ``llama`` / ``deci`` the q and
 k rows (and biases) of each layer are permuted with that layer's head counts, as llama.cpp's
 ``convert_hf_to_gguf.py`` does for LLaMA (transformers rotates halves, llama.cpp pairs). Empty
 tensors (a layer with no heads) and all-zero biases are left out: llama.cpp's loaders treat the
@@ -62,16 +64,17 @@ def collect_tensors(model: nn.Module, arch: GGUFArch) -> list[Tensor]:
     tied = _tied(model)
     out = []
     for key, value in state.items():
-        if (tied and key == "lm_head.weight") or value.numel() == 0:
+        if (tied and key == "lm_head.weight" and not arch.output_required) or value.numel() == 0:
             continue
         data = arch.tensor_data(key, value.detach().to("cpu", torch.float32))
         if data is None:
             continue
-        name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise ExportRefused(f"cannot export: tensor {key!r} has no place in llama.cpp's {arch.name}")
-        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
-        out.append(Tensor(name, data.contiguous().numpy(), layer))
+        for part, piece in arch.split_tensor(key, data):
+            name = name_map.get_name(part, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise ExportRefused(f"cannot export: tensor {key!r} has no place in llama.cpp's {arch.name}")
+            layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+            out.append(Tensor(name, piece.contiguous().numpy(), layer))
     return out
 
 
@@ -116,10 +119,15 @@ def permute_qk(tensors: list[Tensor], heads: list[int], kv_heads: list[int]) -> 
             t.data = permute_rope(t.data, kv_heads[t.layer])
 
 
+#: Tensor kinds stored float32 in every file, as llama.cpp's converter keeps them: the expert routers
+#: (a rounded router logit can pick another expert).
+FLOAT32_KINDS = {"ffn_gate_inp", "ffn_gate_inp_shexp"}
+
+
 def encode(t: Tensor, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """Data and storage type for one tensor: 1-D ones float32; a row length the block size does not
-    divide falls back to float16 (as convert_hf_to_gguf does)."""
-    if t.data.ndim < 2 or qtype == gguf.GGMLQuantizationType.F32:
+    """Data and storage type for one tensor: 1-D ones and routers float32; a row length the block size
+    does not divide falls back to float16 (as convert_hf_to_gguf does)."""
+    if t.data.ndim < 2 or qtype == gguf.GGMLQuantizationType.F32 or t.kind in FLOAT32_KINDS:
         return t.data.astype(np.float32), gguf.GGMLQuantizationType.F32
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     if t.data.shape[-1] % block:

@@ -22,6 +22,10 @@ class LayerShape:
     heads: int
     kv_heads: int
     ffn: int
+    #: Routed experts (0: a dense layer), one expert's width, the shared expert's width (Qwen2-MoE; else 0).
+    experts: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
 
 
 class GGUFArch:
@@ -48,6 +52,10 @@ class GGUFArch:
     full_width_attention: bool = False
     #: The config's name for the hidden size (as the refusal names it).
     hidden_key: str = "hidden_size"
+    #: Whether it reads routed experts (``ffn_gate_inp`` and ``ffn_*_exps``; see :mod:`.moe`).
+    experts: bool = False
+    #: Whether its loader needs ``output.weight`` even when the model ties it to the embeddings.
+    output_required: bool = False
     #: Float32 round trip rule: (median, worst) position's logit difference, relative (gguf_verify).
     f32_tolerance: tuple[float, float] = (1.5e-5, 2e-4)
 
@@ -60,8 +68,29 @@ class GGUFArch:
             extra = sorted(kinds - self.optional_biases)
             if extra:
                 return f"llama.cpp's {self.name} has no {extra[0]} bias (layer {i})"
+        moe = [i for i, s in enumerate(layers) if s.experts]
+        if moe and not self.experts:
+            return f"llama.cpp's {self.name} has no mixture-of-experts layers"
+        if len({s.experts for s in layers if s.experts}) > 1:
+            counts = sorted({s.experts for s in layers if s.experts})
+            return (
+                f"llama.cpp reads one expert count per model, and the MoE layers keep {counts[0]} to {counts[-1]} "
+                "experts (prune the same number in every layer: mode 'uniform')"
+            )
         if not self.per_layer and len(set(layers)) > 1:
-            what = "head counts" if len({(s.heads, s.kv_heads) for s in layers}) > 1 else "MLP widths"
+            what = next(
+                (
+                    word
+                    for word, key in (
+                        ("head counts", lambda s: (s.heads, s.kv_heads)),
+                        ("MLP widths", lambda s: s.ffn),
+                        ("expert widths", lambda s: s.expert_ffn),
+                        ("shared-expert widths", lambda s: s.shared_ffn),
+                    )
+                    if len({key(s) for s in layers}) > 1
+                ),
+                "expert counts",
+            )
             return (
                 f"llama.cpp's {self.name} reads one set of sizes for every layer, and the layers keep different {what}"
             )
@@ -80,6 +109,10 @@ class GGUFArch:
     def tensor_data(self, key: str, data):
         """A state-dict tensor as llama.cpp stores it (``[out, in]``), or None to leave it out."""
         return data
+
+    def split_tensor(self, key: str, data) -> list[tuple]:
+        """A state-dict entry as the ``(key, data)`` pairs the tensor name map knows (fused weights split)."""
+        return [(key, data)]
 
     def extra_tensors(self, config, head_dim: int) -> list[tuple[str, np.ndarray]]:
         """Tensors llama.cpp reads that the model has no weight for (name, float32 data)."""

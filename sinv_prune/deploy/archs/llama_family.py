@@ -55,7 +55,7 @@ class LlamaFamilyArch(GGUFArch):
         reason = super().refusal(config, layers, head_dim, biases)
         if reason is not None:
             return reason
-        if config.model_type == "qwen3" and not self.qk_norm:
+        if config.model_type in ("qwen3", "qwen3_moe") and not self.qk_norm:
             return f"llama.cpp's {self.name} has no per-head q/k norm (Qwen3's q_norm / k_norm)"
         if not self.per_layer and layers[0].heads == 0:
             return f"llama.cpp's {self.name} cannot skip attention (every layer lost all its heads)"
@@ -64,12 +64,12 @@ class LlamaFamilyArch(GGUFArch):
     def add_hparams(self, writer: gguf.GGUFWriter, config, layout, n_vocab: int) -> None:
         writer.add_block_count(len(layout.layers))
         writer.add_vocab_size(n_vocab)
-        writer.add_feed_forward_length(self.per_layer_value(layout, "ffn"))
+        writer.add_feed_forward_length(self.ffn_length(layout))
         writer.add_head_count(self.per_layer_value(layout, "heads"))
         writer.add_head_count_kv(self.per_layer_value(layout, "kv_heads"))
         context = config.max_position_embeddings
         window = getattr(config, "sliding_window", None)
-        if layout.family == "mistral" and window and window < context:
+        if layout.family in ("mistral", "mixtral") and window and window < context:
             context = window  # llama.cpp's llama has no sliding window: within it, both compute the same
             layout.notes.append(f"context length {window}: Mistral's sliding window, which llama.cpp's llama lacks")
         writer.add_context_length(context)
@@ -83,6 +83,10 @@ class LlamaFamilyArch(GGUFArch):
         if rope.get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope["factor"]))
+
+    def ffn_length(self, layout) -> int | list[int]:
+        """``feed_forward_length``: the MLP width (one, or one per layer)."""
+        return self.per_layer_value(layout, "ffn")
 
     def extra_tensors(self, config, head_dim: int) -> list[tuple[str, np.ndarray]]:
         """``rope_freqs`` for Llama-3 RoPE scaling, computed as llama.cpp's converter does."""

@@ -30,10 +30,13 @@ def native_arch(family: str) -> GGUFArch | None:
 
 def candidates(family: str) -> list[GGUFArch]:
     """Architectures to try for ``family``, in order: its own, then the general ones that can take it."""
+    from sinv_prune.deploy.archs.moe import MOE_FAMILIES
+
     own = native_arch(family)
     if own is None:
         return []
-    general = [a for a in _ARCHS.values() if a is not own and own.llama_family and a.fallback]
+    moe = family in MOE_FAMILIES  # only an architecture that reads experts can take them
+    general = [a for a in _ARCHS.values() if a is not own and own.llama_family and a.fallback and a.experts >= moe]
     return [own] + sorted(general, key=lambda a: a.per_layer)  # one shape for all layers before per-layer arrays
 
 
