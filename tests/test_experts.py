@@ -22,7 +22,9 @@ from safetensors import safe_open
 import sinv_prune
 from sinv_prune.arch import get_adapter
 from sinv_prune.cli import main
+from sinv_prune.scoring.criteria import get_criterion
 from sinv_prune.surgery.record import get_record
+from sinv_prune.units import get_unit
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 EXPERTS, TOP_K, LAYERS = 6, 2, 3
@@ -283,3 +285,37 @@ def test_cli_prune_experts_and_info(tmp_path):
     bad = runner.invoke(main, ["prune", str(source), str(tmp_path / "bad"), "--experts", "0:0-4"])
     assert bad.exit_code == 2 and "fewer than num_experts_per_tok=2" in bad.output
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_closed_expert_gate_is_the_removal(family):
+    """Gates (Taylor, sensitivity) scale routing probabilities: a gate of 0 equals the masked-router model."""
+    model = fresh(family)
+    plan = {layer: [2, 5] for layer in moe_layers(model)}
+    with masked_routers(model, plan):
+        reference = logits(model)
+    with get_unit("experts").gates(model, requires_grad=False) as gates:
+        for layer, experts in plan.items():
+            gates[layer][experts] = 0.0
+        gated = logits(model)
+        assert [g.numel() for g in gates] == [EXPERTS if layer in plan else 0 for layer in range(LAYERS)]
+    torch.testing.assert_close(gated, reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits(model), logits(fresh(family)), atol=0, rtol=0)  # hooks gone
+
+
+@pytest.mark.parametrize("allocation", ["standardized", "sensitivity", "search"])
+def test_allocations_spread_an_expert_cut(allocation):
+    model = fresh("qwen3_moe")
+    batches = [{"input_ids": INPUTS}]
+    part = sinv_prune.Part("experts", "magnitude", 4, allocation=allocation)
+    assert part.mode == "global"  # the allocation spreads the cut, not the unit's uniform default
+    summary = sinv_prune.Pruner([part]).prune(model, batches=batches, calibration=batches)
+    removed = {c.layer: len(c.removed) for c in summary.experts}
+    assert 0 < sum(removed.values()) <= 4 and all(EXPERTS - n >= TOP_K for n in removed.values())
+
+
+def test_taylor_scores_experts_through_their_gates():
+    model = fresh("mixtral")
+    scores = get_criterion("taylor", unit="experts").compute(model, [{"input_ids": INPUTS}])
+    assert [len(row) for row in scores] == [EXPERTS] * LAYERS
+    assert all(any(v > 0 for v in row) for row in scores)

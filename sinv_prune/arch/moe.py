@@ -71,6 +71,19 @@ class MoeAdapter(LlamaAdapter):
             if hasattr(module, "num_experts"):
                 module.num_experts = keep.numel()
 
+    def route(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's ``(top-k weights, top-k experts)`` from its logits, as the family computes them."""
+        router = self.router(layer)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, index = torch.topk(probs, router.top_k, dim=-1)
+        if self.renormalizes(router):
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), index
+
+    def renormalizes(self, router: nn.Module) -> bool:
+        """Whether the top-k weights are renormalised to sum to 1 (``norm_topk_prob``)."""
+        return bool(getattr(router, "norm_topk_prob", False))
+
     def expert_modules(self, layer: int) -> list[nn.Module]:
         """The modules ``slice_experts`` changes."""
         return [self.experts(layer), self.router(layer)]
@@ -127,6 +140,9 @@ class MixtralAdapter(MoeAdapter):
     model_types = ("mixtral",)
     config_experts_key = "num_local_experts"
     config_expert_width_key = "intermediate_size"
+
+    def renormalizes(self, router):
+        return True
 
 
 @register_adapter

@@ -473,7 +473,8 @@ class PartSpec(Strict):
     @classmethod
     def _unit_default_mode(cls, data):
         """A part that names no ``mode`` gets its unit's (experts: ``uniform``)."""
-        if isinstance(data, dict) and "mode" not in data and isinstance(data.get("unit"), str):
+        spread = data.get("allocation", "uniform") if isinstance(data, dict) else None
+        if spread == "uniform" and "mode" not in data and isinstance(data.get("unit"), str):
             unit = {u.name: u for u in registered_units()}.get(data["unit"])
             if unit is not None and unit.default_mode != "global":
                 data = {**data, "mode": unit.default_mode}

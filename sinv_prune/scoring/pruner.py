@@ -77,8 +77,8 @@ class Part:
 
     def __post_init__(self):
         kind = get_unit(self.unit)
-        if self.mode is None:
-            self.mode = kind.default_mode
+        if self.mode is None:  # a non-uniform allocation spreads the cut itself, from global scores
+            self.mode = kind.default_mode if self.allocation in (None, "uniform") else "global"
         if self.mode not in MODES:
             raise ValueError(f"unknown selection mode {self.mode!r}; choose one of {', '.join(MODES)}")
         check_layout(self.layout)

@@ -74,6 +74,7 @@ def select_channels(
     multiple: int = 1,
     seed: int = 0,
     exact: bool = False,
+    items: str = "channels",
 ) -> dict[int, list[int]]:
     """MLP channels to remove, ``{layer: [channels]}`` in current numbering (untouched layers left out).
 
@@ -89,6 +90,7 @@ def select_channels(
         multiple: every layer that loses channels keeps a multiple of this many.
         seed: orders equal scores; the same inputs and seed give the same result.
         exact: raise instead of removing fewer channels when the amount cannot be met exactly.
+        items: what the messages call the items (the experts unit selects experts here too).
     """
     sizes = _widths(model_or_sizes) if isinstance(model_or_sizes, nn.Module) else _sizes(model_or_sizes)
     if mode not in MODES:
@@ -107,7 +109,7 @@ def select_channels(
     if step < 1:
         raise ValueError(f"multiple must be a positive integer, got {multiple!r}")
     rows = _check_rows(scores, sizes)
-    wanted = _count(amount, sum(sizes), "channels", "a count")
+    wanted = _count(amount, sum(sizes), items, "a count")
     if wanted == 0:
         return {}
     # global: scores standardised within each layer first (FLAP), so no layer's scale decides for it.
@@ -119,13 +121,14 @@ def select_channels(
         keeps = [(quarter(n) if mode == "global" else 1) if min_keep is None else min_keep for n in sizes]
         shown = "a quarter of each layer" if min_keep is None and mode == "global" else (min_keep or 1)
     allowed = [_removals(n, keep, step) for n, keep in zip(sizes, keeps, strict=True)]
-    where = f"with min_channels_per_layer={shown} and multiple={step}"
+    floor = "min_channels_per_layer" if items == "channels" else f"min_{items}_per_layer"
+    where = f"with {floor}={shown} and multiple={step}" if step != 1 or items == "channels" else f"with {floor}={shown}"
     if mode == "uniform":
-        counts = _uniform(sizes, min_keep or 1, step, wanted, where)
+        counts = _uniform(sizes, min_keep or 1, step, wanted, where, items)
     else:
         most = sum(a[-1] for a in allowed)
         if most < wanted:
-            raise ValueError(f"amount {wanted} is larger than the {most} channels that may be removed {where}")
+            raise ValueError(f"amount {wanted} is larger than the {most} {items} that may be removed {where}")
         if step == 1:
             counts = _lowest(ranks, [a[-1] for a in allowed], wanted)
         else:
@@ -134,10 +137,10 @@ def select_channels(
     if got != wanted:
         if exact or got == 0:
             raise ValueError(
-                f"cannot remove exactly {wanted} channels in mode {mode!r} {where}"
+                f"cannot remove exactly {wanted} {items} in mode {mode!r} {where}"
                 + (f"; the nearest achievable below is {got}" if got else "; no smaller removal is possible either")
             )
-        logger.warning("sinv_prune: %d channels requested, %d removed (nearest achievable not exceeding)", wanted, got)
+        logger.warning("sinv_prune: %d %s requested, %d removed (nearest achievable not exceeding)", wanted, items, got)
     return {layer: sorted(order[layer][:c]) for layer, c in enumerate(counts) if c}
 
 
@@ -229,20 +232,20 @@ def _fewest_cost(ranks, order, allowed: list[list[int]], wanted: int, where: str
     return [opt.removed for opt in _knapsack(options, wanted // unit, where)]
 
 
-def _uniform(sizes: list[int], min_keep: int, step: int, wanted: int, where: str) -> list[int]:
+def _uniform(sizes: list[int], min_keep: int, step: int, wanted: int, where: str, items: str = "channels") -> list[int]:
     """Every layer keeps the same count ``k``: the largest removal ``<= wanted``."""
     smallest = min(sizes)
     candidates = [k for k in range(step, smallest + 1, step) if k >= min_keep]
     if len(set(sizes)) == 1 and smallest not in candidates:
         candidates.append(smallest)  # every layer as it is
     if not candidates:
-        raise ValueError(f"uniform: no channel count is valid in every layer {where} (smallest layer: {smallest})")
+        raise ValueError(f"uniform: no count is valid in every layer {where} (smallest layer: {smallest})")
     removal = {k: sum(n - k for n in sizes) for k in candidates}
     most = max(removal.values())
     if most < wanted:
-        raise ValueError(f"uniform: amount {wanted} is larger than the {most} channels that may be removed {where}")
+        raise ValueError(f"uniform: amount {wanted} is larger than the {most} {items} that may be removed {where}")
     fitting = [k for k in candidates if removal[k] <= wanted]
     if not fitting:
-        raise ValueError(f"uniform: no removal of at most {wanted} channels leaves every layer alike {where}")
+        raise ValueError(f"uniform: no removal of at most {wanted} {items} leaves every layer alike {where}")
     k = min(fitting)
     return [n - k for n in sizes]

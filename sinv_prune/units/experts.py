@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter, get_adapter
+from sinv_prune.scoring.gates import expert_gates
 from sinv_prune.scoring.selection_units import _removals, select_channels
 from sinv_prune.surgery.record import PruningRecord
 from sinv_prune.units.base import Unit, per_layer, score_rows
@@ -48,6 +49,9 @@ class ExpertsUnit(Unit):
         modules = (adapter.experts(layer), adapter.router(layer))
         return sum(p.numel() for m in modules for p in m.parameters(recurse=False) if p.shape[0] == count) // count
 
+    def gates(self, model: nn.Module, *, requires_grad: bool = True):
+        return expert_gates(model, requires_grad=requires_grad)
+
     def allowed(self, model, layer, row, min_per_layer, multiple, shape):
         adapter = get_adapter(model)
         count = adapter.num_experts(layer)
@@ -70,6 +74,7 @@ class ExpertsUnit(Unit):
             min_channels_per_layer=self._floor(adapter, part.min_per_layer),
             seed=part.seed,
             exact=exact,
+            items="experts",
         )
         return {moe[i]: experts for i, experts in chosen.items()}
 

@@ -32,7 +32,8 @@ class TaylorCriterion(Criterion):
     then each layer is divided by the L2 norm of its heads' importances
     (``normalize=True``). Gates come from :func:`sinv_prune.scoring.gates.head_gates`
     (``unit="mlp"``: :func:`~sinv_prune.scoring.gates.channel_gates`, one gate per MLP channel at
-    the down projection's input); gradients are taken with ``torch.autograd.grad`` on the
+    the down projection's input; ``unit="experts"``: :func:`~sinv_prune.scoring.gates.expert_gates`, one
+    gate per routed expert on its routing probability); gradients are taken with ``torch.autograd.grad`` on the
     gates only, and every parameter has ``requires_grad`` off during the pass (flags restored
     after), so no ``.grad`` lands on the model's parameters and autograd keeps no graph for
     weight gradients. The model runs in eval mode (``train_mode=True`` keeps dropout on);
@@ -50,7 +51,7 @@ class TaylorCriterion(Criterion):
     """
 
     needs_data = True
-    units = ("heads", "mlp")
+    units = ("heads", "mlp", "experts")
 
     def __init__(self, normalize: bool = True, train_mode: bool = False, loss_fn: LossFn | None = None):
         self.normalize = bool(normalize)
