@@ -1,6 +1,8 @@
 """Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): LLaMA-style attention, and MoE
 blocks whose experts are stored fused (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj``
-``[E, H, I]``) behind a softmax top-k router ``gate`` (``weight`` ``[E, H]``).
+``[E, H, I]``) behind a softmax top-k router ``gate`` (``weight`` ``[E, H]``). The criteria read experts
+only through the adapter (``expert_weights``, ``expert_mlp``, ``expert_output``), never through the fused
+tensors, so a family stored otherwise overrides those.
 
 A MoE layer has no dense MLP channels: its ``intermediate_size`` is 0 and the ``mlp`` unit leaves it
 alone; its experts are the ``experts`` unit's items. Qwen2/3-MoE may mix dense layers in
@@ -49,13 +51,26 @@ class MoeAdapter(LlamaAdapter):
         return self.model.config.num_experts_per_tok
 
     def expert_width(self, layer: int) -> int:
-        return self.experts(layer).down_proj.shape[-1]
+        return self.expert_weights(layer)[2].shape[-1]
+
+    def expert_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every expert's ``(W_gate, W_up, W_down)`` as ``[out, in]`` views (``[E, I, H]``, ``[E, I, H]``,
+        ``[E, H, I]``); biases, where a family has them, are not part of these."""
+        experts = self.experts(layer)
+        gate, up = experts.gate_up_proj.chunk(2, dim=1)
+        return gate, up, experts.down_proj
 
     def expert_mlp(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One expert's ``(W_gate, W_up, W_down)`` as ``[out, in]`` views (``[I, H]``, ``[I, H]``, ``[H, I]``)."""
+        return tuple(w[expert] for w in self.expert_weights(layer))
+
+    def expert_output(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """What expert ``expert`` of ``layer`` returns for tokens ``x`` ``[n, H]`` before the router's weight,
+        computed in ``x``'s dtype: ``W_down (act(W_gate x) * W_up x)``."""
         experts = self.experts(layer)
-        gate, up = experts.gate_up_proj[expert].chunk(2, dim=0)
-        return gate, up, experts.down_proj[expert]
+        gate_up = experts.gate_up_proj[expert].detach().to(x.dtype)
+        gate, up = nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+        return nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[expert].detach().to(x.dtype))
 
     def slice_experts(self, layer: int, keep: torch.Tensor) -> None:
         """Keep only experts ``keep`` (ascending) of ``layer``: fused weights, router rows (and bias), counts."""
@@ -156,3 +171,4 @@ class OlmoeAdapter(MoeAdapter):
         "OLMoE's q_norm and k_norm normalise all heads of a layer together, so removing a head changes the "
         "kept ones; prune experts, MLP layers or whole layers instead"
     )
+
