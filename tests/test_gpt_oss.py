@@ -25,7 +25,7 @@ from sinv_prune.cli import main
 from sinv_prune.deploy.errors import ExportRefused
 from sinv_prune.deploy.gguf_layout import check_exportable
 from sinv_prune.scoring.criteria import get_criterion
-from sinv_prune.scoring.measures import c_square, expert_measures
+from sinv_prune.scoring.measures import c_square, expert_measures, head_measures
 from sinv_prune.surgery.record import get_record
 
 EXPERTS, TOP_K, LAYERS, HEADS, KV, HEAD_DIM = 6, 2, 3, 4, 2, 8
@@ -329,7 +329,7 @@ def test_magnitude_and_sinv_static_read_the_interleaved_weights():
     adapter = get_adapter(model)
     magnitude = get_criterion("magnitude", unit="experts").compute(model)
     sinv = get_criterion("sinv_static", unit="experts").compute(model)
-    assert sinv == expert_measures(model)
+    assert sinv == expert_measures(model) == head_measures(model)["C_FF_experts"]
     for layer in range(LAYERS):
         experts = adapter.experts(layer)
         for e in range(EXPERTS):
