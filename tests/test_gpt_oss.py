@@ -27,6 +27,7 @@ from sinv_prune.deploy.gguf_layout import check_exportable
 from sinv_prune.scoring.criteria import get_criterion
 from sinv_prune.scoring.measures import c_square, expert_measures, head_measures
 from sinv_prune.surgery.record import get_record
+from sinv_prune.units import get_unit
 
 EXPERTS, TOP_K, LAYERS, HEADS, KV, HEAD_DIM = 6, 2, 3, 4, 2, 8
 HYPOTHESIS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -340,6 +341,24 @@ def test_magnitude_and_sinv_static_read_the_interleaved_weights():
             assert magnitude[layer][e] == pytest.approx(float(torch.cat([gate_up.flatten(), down.flatten()]).norm()))
             # x -> up -> down: W_down W_up = down_proj^T (gate_up_proj[:, 1::2])^T
             assert sinv[layer][e] == pytest.approx(float(c_square(down.T @ gate_up[:, 1::2].T)), abs=1e-6)
+
+
+def test_a_closed_expert_gate_is_the_removal_and_taylor_scores_experts():
+    """Gates (taylor, sensitivity, search) re-route as GPT-OSS does: a gate of 0 equals the masked router, and
+    open gates leave the model as it is."""
+    model = fresh()
+    plan = {layer: [2, 5] for layer in range(LAYERS)}
+    with masked_routers(model, plan):
+        reference = logits(model)
+    with get_unit("experts").gates(model, requires_grad=False) as gates:
+        ungated = logits(model)
+        for layer, experts in plan.items():
+            gates[layer][experts] = 0.0
+        gated = logits(model)
+    torch.testing.assert_close(ungated, logits(fresh()), atol=0, rtol=0)
+    torch.testing.assert_close(gated, reference, atol=1e-5, rtol=0)
+    scores = get_criterion("taylor", unit="experts").compute(model, [{"input_ids": INPUTS}])
+    assert [len(row) for row in scores] == [EXPERTS] * LAYERS and all(any(v > 0 for v in row) for row in scores)
 
 
 def test_random_scores_every_expert_and_a_pruner_uses_the_criteria():

@@ -224,6 +224,14 @@ class GptOssAdapter(MoeAdapter):
         gate_up = x @ w["gate_up_proj"] + w["gate_up_proj_bias"]
         return experts._apply_gate(gate_up) @ w["down_proj"] + w["down_proj_bias"]
 
+    def route(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``GptOssTopKRouter``: the top-k logits, then a softmax over those k (in the logits' dtype)."""
+        top, index = torch.topk(logits, self.router(layer).top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), index
+
+    def renormalizes(self, router: nn.Module) -> bool:
+        return True  # the softmax over the top k is the full softmax's top k renormalised
+
     def slice_heads(self, layer, keep_q, keep_kv):
         super().slice_heads(layer, keep_q, keep_kv)
         attn = self.attention(layer)
