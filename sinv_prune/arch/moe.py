@@ -1,6 +1,8 @@
-"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): LLaMA-style attention, and MoE
-blocks whose experts are stored fused (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj``
-``[E, H, I]``) behind a softmax top-k router ``gate`` (``weight`` ``[E, H]``).
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GPT-OSS): LLaMA-style attention, and
+MoE blocks whose experts are stored fused (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj``
+``[E, H, I]``) behind a softmax top-k router ``gate`` (``weight`` ``[E, H]``). GPT-OSS differs in the
+layout (see :class:`GptOssAdapter`); the criteria read experts only through the adapter
+(``expert_weights``, ``expert_mlp``, ``expert_output``), never through the fused tensors.
 
 A MoE layer has no dense MLP channels: its ``intermediate_size`` is 0 and the ``mlp`` unit leaves it
 alone; its experts are the ``experts`` unit's items. Qwen2/3-MoE may mix dense layers in
@@ -49,13 +51,26 @@ class MoeAdapter(LlamaAdapter):
         return self.model.config.num_experts_per_tok
 
     def expert_width(self, layer: int) -> int:
-        return self.experts(layer).down_proj.shape[-1]
+        return self.expert_weights(layer)[2].shape[-1]
+
+    def expert_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every expert's ``(W_gate, W_up, W_down)`` as ``[out, in]`` views (``[E, I, H]``, ``[E, I, H]``,
+        ``[E, H, I]``); biases, where a family has them, are not part of these."""
+        experts = self.experts(layer)
+        gate, up = experts.gate_up_proj.chunk(2, dim=1)
+        return gate, up, experts.down_proj
 
     def expert_mlp(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One expert's ``(W_gate, W_up, W_down)`` as ``[out, in]`` views (``[I, H]``, ``[I, H]``, ``[H, I]``)."""
+        return tuple(w[expert] for w in self.expert_weights(layer))
+
+    def expert_output(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """What expert ``expert`` of ``layer`` returns for tokens ``x`` ``[n, H]`` before the router's weight,
+        computed in ``x``'s dtype: ``W_down (act(W_gate x) * W_up x)``."""
         experts = self.experts(layer)
-        gate, up = experts.gate_up_proj[expert].chunk(2, dim=0)
-        return gate, up, experts.down_proj[expert]
+        gate_up = experts.gate_up_proj[expert].detach().to(x.dtype)
+        gate, up = nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+        return nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[expert].detach().to(x.dtype))
 
     def slice_experts(self, layer: int, keep: torch.Tensor) -> None:
         """Keep only experts ``keep`` (ascending) of ``layer``: fused weights, router rows (and bias), counts."""
@@ -156,3 +171,71 @@ class OlmoeAdapter(MoeAdapter):
         "OLMoE's q_norm and k_norm normalise all heads of a layer together, so removing a head changes the "
         "kept ones; prune experts, MLP layers or whole layers instead"
     )
+
+
+@register_adapter
+class GptOssAdapter(MoeAdapter):
+    """GPT-OSS: attention with q/k/v/o biases and one learned sink logit per query head (``self_attn.sinks``
+    ``[heads]``), sliding and full layers (``layer_types``); every layer is MoE, with a router ``mlp.router``
+    (``weight`` ``[E, H]`` and ``bias`` ``[E]``) that takes the top-k logits and softmaxes over those k only.
+
+    Experts are stored transposed, gate and up interleaved, with biases: ``gate_up_proj`` ``[E, H, 2I]``
+    (gate = columns ``0, 2, 4, ...``, up = columns ``1, 3, 5, ...``), ``gate_up_proj_bias`` ``[E, 2I]``,
+    ``down_proj`` ``[E, I, H]``, ``down_proj_bias`` ``[E, H]``; with ``gate, up`` the even and odd
+    entries of ``x gate_up_proj + gate_up_proj_bias``, an expert computes
+    ``((clamp(up, -l, l) + 1) * g * sigmoid(alpha g)) down_proj + down_proj_bias``, ``g = min(gate, l)``
+    (``l`` = ``swiglu_limit``, ``alpha`` = ``swiglu_alpha``). ``expert_weights`` returns the
+    de-interleaved ``[out, in]`` views (``W_gate`` from the even columns, ``W_up`` from the odd ones,
+    ``W_down`` = ``down_proj^T``), biases left out; ``W_down W_up`` is the expert's linear path through
+    ``up``, as it is for the other families (what ``magnitude`` and ``sinv_static`` read).
+    ``expert_output`` runs the experts module's own gate function (``_apply_gate``) with the biases
+    (what ``reap`` and ``ean`` read).
+
+    Exactness: removing experts equals giving their logits ``-inf`` (top-k never picks them, and the
+    softmax runs over the chosen k); removing heads slices their sinks with them (each head's softmax has
+    its own sink logit, so a kept head computes what it computed before).
+    """
+
+    name = "gpt_oss"
+    model_types = ("gpt_oss",)
+    config_experts_key = "num_local_experts"
+    config_expert_width_key = "intermediate_size"
+    routing = "top-k of the logits, softmax over the k"
+
+    def moe_block(self, layer: int) -> nn.Module | None:
+        mlp = self.base.layers[layer].mlp
+        return mlp if hasattr(mlp, "experts") and hasattr(mlp, "router") else None
+
+    def router(self, layer: int) -> nn.Module:
+        return self._moe(layer).router
+
+    def expert_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """De-interleaved ``[out, in]`` views: ``W_gate`` ``gate_up_proj[:, :, 0::2]^T``, ``W_up``
+        ``gate_up_proj[:, :, 1::2]^T`` (``[E, I, H]``), ``W_down`` ``down_proj^T`` (``[E, H, I]``)."""
+        experts = self.experts(layer)
+        gate_up = experts.gate_up_proj
+        return gate_up[..., 0::2].mT, gate_up[..., 1::2].mT, experts.down_proj.mT
+
+    def expert_output(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """The expert's output for tokens ``x`` ``[n, H]`` as ``GptOssExperts.forward`` computes it (biases,
+        the module's clamped SwiGLU), before the router's weight, in ``x``'s dtype."""
+        experts = self.experts(layer)
+        w = {name: getattr(experts, name)[expert].detach().to(x.dtype) for name in _GPT_OSS_EXPERT_PARAMS}
+        gate_up = x @ w["gate_up_proj"] + w["gate_up_proj_bias"]
+        return experts._apply_gate(gate_up) @ w["down_proj"] + w["down_proj_bias"]
+
+    def route(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``GptOssTopKRouter``: the top-k logits, then a softmax over those k (in the logits' dtype)."""
+        top, index = torch.topk(logits, self.router(layer).top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), index
+
+    def renormalizes(self, router: nn.Module) -> bool:
+        return True  # the softmax over the top k is the full softmax's top k renormalised
+
+    def slice_heads(self, layer, keep_q, keep_kv):
+        super().slice_heads(layer, keep_q, keep_kv)
+        attn = self.attention(layer)
+        _replace(attn, "sinks", attn.sinks.detach().index_select(0, keep_q.to(attn.sinks.device)))
+
+
+_GPT_OSS_EXPERT_PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")

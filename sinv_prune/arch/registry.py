@@ -13,8 +13,6 @@ from sinv_prune.arch.base import HeadAdapter
 _ADAPTERS: dict[str, type[HeadAdapter]] = {}
 #: Families people ask for whose removals would not be exact with what sinv_prune slices today: the reason.
 REFUSED = {
-    "gpt_oss": "GPT-OSS is not supported: its attention sinks (one learned logit per head), interleaved gate/up "
-    "experts with biases and router bias have no adapter yet",
     "deepseek_v3": "DeepSeek-V3 is not supported: multi-head latent attention has no per-head Q/K/V to slice, and "
     "its sigmoid router with e_score_correction_bias and group-limited top-k (n_group, topk_group) is not exact "
     "under -inf logits for removed experts",

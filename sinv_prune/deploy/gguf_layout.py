@@ -115,4 +115,9 @@ def _unsupported(family: str) -> str:
             f"cannot export {family} to GGUF: llama.cpp runs {family} only as an embedding model "
             "(no masked-LM head) with one head count for every layer"
         )
+    if family == "gpt_oss":
+        return (
+            "cannot export gpt_oss to GGUF: llama.cpp has a gpt-oss architecture, but the exporter does not write "
+            "its attention sinks, interleaved gate/up experts with biases, clamped SwiGLU and router bias"
+        )
     return f"cannot export {family} to GGUF: the exporter knows {', '.join(families())}"

@@ -304,10 +304,8 @@ def expert_measures(model: nn.Module) -> list[list[float]]:
         if not adapter.num_experts(layer):
             out.append([])
             continue
-        experts = adapter.experts(layer)
-        width = adapter.expert_width(layer)
-        up = experts.gate_up_proj[:, width:]  # [E, I, H]: the up rows follow the gate rows
-        out.append(c_product(experts.down_proj, up).tolist())
+        _, up, down = adapter.expert_weights(layer)  # [E, I, H], [E, H, I] (GPT-OSS: de-interleaved views)
+        out.append(c_product(down, up).tolist())
     return out
 
 

@@ -27,7 +27,7 @@ class MagnitudeCriterion(Criterion):
     its score is the ``p``-norm of those weights together (biases excluded).
 
     ``unit="experts"``: the ``p``-norm of the routed expert's own weights (its gate, up and down
-    projections; the router's row for it is left out, as it scores how often the expert is
+    projections, biases excluded; the router's row for it is left out, as it scores how often the expert is
     picked rather than what it computes). Dense layers get ``[]``.
 
     .. code-block:: yaml
@@ -83,12 +83,13 @@ def _channel_scores(adapter, layer: int, p: float) -> list[float]:
 
 
 def _expert_scores(adapter, layer: int, p: float) -> list[float]:
-    """``||gate_up_proj[e], down_proj[e]||_p`` per routed expert ``e``; ``[]`` for a dense layer."""
+    """``||W_gate^e, W_up^e, W_down^e||_p`` per routed expert ``e`` (``adapter.expert_weights``, biases
+    excluded); ``[]`` for a dense layer."""
     if not adapter.num_experts(layer):
         return []
-    experts = adapter.experts(layer)
     with torch.no_grad():
-        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-        dtype = torch.float64 if gate_up.dtype == torch.float64 else torch.float32
-        total = sum(w.to(gate_up.device, dtype).abs().pow(p).flatten(1).sum(1) for w in (gate_up, down))
+        weights = [w.detach() for w in adapter.expert_weights(layer)]
+        dtype = torch.float64 if weights[0].dtype == torch.float64 else torch.float32
+        device = weights[0].device
+        total = sum(w.to(device, dtype).abs().pow(p).flatten(1).sum(1) for w in weights)
     return [float(x) for x in total.pow(1 / p).double().cpu()]

@@ -2,10 +2,12 @@
 
 Each MoE layer's router returns its logits for the layer's tokens, and the layer's experts module is
 called with those tokens ``x`` ``[T, H]`` and the top-k experts the router picked for each
-(``top_k_index`` ``[T, k]``). A forward hook on the router keeps the logits, a forward pre-hook on the
-experts module reads the rest (eval mode, no gradients; tokens with ``attention_mask == 0`` left out)
-and, for ``reap`` and ``ean``, recomputes each routed expert's output
-``f_e(x) = W_down^e (act(W_gate^e x) * W_up^e x)`` in float32 (float64 for float64 models). Per
+(``top_k_index`` ``[T, k]``; GPT-OSS: ``router_indices``). A forward hook on the router keeps the logits, a
+forward pre-hook on the experts module reads the rest (eval mode, no gradients; tokens with
+``attention_mask == 0`` left out) and, for ``reap`` and ``ean``, recomputes each routed expert's output
+``f_e(x)`` through the adapter's ``expert_output`` (``W_down^e (act(W_gate^e x) * W_up^e x)`` for the
+Qwen-MoE, Mixtral and OLMoE families; GPT-OSS's biased, clamped SwiGLU experts as its experts module
+computes them) in float32 (float64 for float64 models). Per
 expert it keeps, in float64, the number of tokens routed to it, the sum of ``||f_e(x)||_2`` and the
 sum of ``g_e(x) ||f_e(x)||_2``, ``g_e(x)`` the router's softmax probability of ``e`` (REAP's gate
 value): O(experts) per layer, whatever the token count.
@@ -59,7 +61,7 @@ class RoutingCriterion(Criterion):
         routers = moe if self.uses_gates else []
         hooks = [adapter.router(layer).register_forward_hook(_keep_logits(logits, layer)) for layer in routers] + [
             adapter.experts(layer).register_forward_pre_hook(
-                _collect(seen, logits, layer, batch.get("attention_mask"), self), with_kwargs=True
+                _collect(seen, logits, adapter, layer, batch.get("attention_mask"), self), with_kwargs=True
             )
             for layer in moe
         ]
@@ -140,7 +142,8 @@ class ReapCriterion(RoutingCriterion):
     0 and goes first. ``g_e(x)`` is the router's softmax probability of ``e`` over all experts, as in
     the authors' code; ``renormalize=True`` divides it by the sum over the token's top k (their
     ``renormalize_router_weights``), which is the weight the layer applies where the model
-    renormalises (Mixtral; Qwen-MoE and OLMoE with ``norm_topk_prob``). Data: calibration batches.
+    renormalises (Mixtral; Qwen-MoE and OLMoE with ``norm_topk_prob``; GPT-OSS, whose softmax over the
+    top-k logits equals it). Data: calibration batches.
 
     .. code-block:: yaml
 
@@ -178,9 +181,12 @@ class EanCriterion(RoutingCriterion):
 
 
 def _inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hidden_states, top_k_index)`` of an experts call, positional or by keyword."""
+    """``(hidden_states, top_k_index)`` of an experts call, positional or by keyword (GPT-OSS names the
+    index ``router_indices``)."""
     names = ("hidden_states", "top_k_index")
     values = list(args[:2]) + [kwargs.get(name) for name in names[len(args[:2]) :]]
+    if len(args) < 2 and values[1] is None:
+        values[1] = kwargs.get("router_indices")
     if any(not isinstance(v, torch.Tensor) for v in values):
         raise ValueError(f"experts module called without ({', '.join(names)})")
     return values[0], values[1]
@@ -195,7 +201,7 @@ def _keep_logits(store: dict, layer: int):
     return hook
 
 
-def _collect(store: dict, logits: dict, layer: int, mask, criterion: RoutingCriterion):
+def _collect(store: dict, logits: dict, adapter, layer: int, mask, criterion: RoutingCriterion):
     """A forward pre-hook on one layer's experts module keeping per-expert counts and output-norm sums."""
     name = criterion.name
 
@@ -217,15 +223,15 @@ def _collect(store: dict, logits: dict, layer: int, mask, criterion: RoutingCrit
             keep = mask.reshape(-1).to(hidden.device) != 0
             hidden, index = hidden[keep], index[keep]
             gates = None if gates is None else gates[keep]
-        count = module.gate_up_proj.shape[0]
+        count = adapter.num_experts(layer)
         routed = torch.zeros(count, dtype=torch.float64, device=hidden.device)
         norm_sum, gated_sum = torch.zeros_like(routed), torch.zeros_like(routed)
         routed.index_add_(0, index.reshape(-1), torch.ones(index.numel(), dtype=torch.float64, device=hidden.device))
         if criterion.uses_outputs:
-            dtype = torch.float64 if module.gate_up_proj.dtype == torch.float64 else torch.float32
+            dtype = torch.float64 if adapter.expert_weights(layer)[0].dtype == torch.float64 else torch.float32
             for expert in routed.nonzero().flatten().tolist():
                 token = torch.where(index == expert)[0]
-                norms = _expert_output(module, expert, hidden[token].to(dtype)).norm(dim=-1).double()
+                norms = adapter.expert_output(layer, expert, hidden[token].to(dtype)).norm(dim=-1).double()
                 norm_sum[expert] = norms.sum()
                 if gates is not None:
                     gated_sum[expert] = (gates[token, expert] * norms).sum()
@@ -237,10 +243,3 @@ def _collect(store: dict, logits: dict, layer: int, mask, criterion: RoutingCrit
         }
 
     return hook
-
-
-def _expert_output(experts: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
-    """``W_down (act(W_gate x) * W_up x)`` of one expert for tokens ``x`` ``[n, H]``, in ``x``'s dtype."""
-    gate_up = experts.gate_up_proj[expert].detach().to(x.dtype)
-    gate, up = nn.functional.linear(x, gate_up).chunk(2, dim=-1)
-    return nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[expert].detach().to(x.dtype))
