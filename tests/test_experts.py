@@ -319,3 +319,18 @@ def test_taylor_scores_experts_through_their_gates():
     scores = get_criterion("taylor", unit="experts").compute(model, [{"input_ids": INPUTS}])
     assert [len(row) for row in scores] == [EXPERTS] * LAYERS
     assert all(any(v > 0 for v in row) for row in scores)
+
+
+def test_uneven_counts_turn_off_the_load_balancing_loss_they_would_break(caplog):
+    model = fresh("qwen3_moe")
+    model.config.output_router_logits = True
+    sinv_prune.prune(model, {"experts": {0: [1], 2: [1, 2]}})
+    assert not model.config.output_router_logits and "load-balancing loss" in caplog.text
+    model.train()
+    assert model(INPUTS, labels=INPUTS).loss.isfinite()  # the stacked router logits would not fit
+    uniform = fresh("qwen3_moe")
+    uniform.config.output_router_logits = True
+    sinv_prune.prune(uniform, {"experts": {0: [1], 2: [2]}})
+    assert uniform.config.output_router_logits
+    uniform.train()
+    assert uniform(INPUTS, labels=INPUTS).aux_loss.isfinite()

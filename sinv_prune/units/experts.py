@@ -8,6 +8,7 @@ then run over the kept experts, which is what the sliced router computes). A lay
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ from sinv_prune.scoring.selection_units import _removals, select_channels
 from sinv_prune.surgery.record import PruningRecord
 from sinv_prune.units.base import Unit, per_layer, score_rows
 from sinv_prune.units.registry import register_unit
+
+logger = logging.getLogger(__name__)
 
 
 class ExpertsUnit(Unit):
@@ -167,6 +170,13 @@ class ExpertsUnit(Unit):
         setattr(model.config, adapter.config_experts_key, count)
         if isinstance(getattr(model, "num_experts", None), int):  # *ForCausalLM's load-balancing loss reads it
             model.num_experts = count
+        if len(set(counts)) > 1 and getattr(model.config, "output_router_logits", False):
+            # transformers' load-balancing loss stacks every layer's router logits: one expert count only.
+            model.config.output_router_logits = False
+            logger.warning(
+                "sinv_prune: MoE layers now keep different expert counts, which transformers' load-balancing loss "
+                "cannot take; output_router_logits is off, so fine-tuning trains without it"
+            )
 
     # -- words ------------------------------------------------------------------------------------
 
