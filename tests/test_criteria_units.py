@@ -23,7 +23,7 @@ from sinv_prune.scoring.criteria.base import frozen_parameters
 EXPECTED_UNITS = {
     "random": ("heads", "mlp", "experts", "layers"),
     "magnitude": ("heads", "mlp", "experts"),
-    "taylor": ("heads", "mlp"),
+    "taylor": ("heads", "mlp", "experts"),
     "activation": ("heads", "mlp"),
     "entropy": ("heads",),
     "sinv_static": ("heads", "experts"),
