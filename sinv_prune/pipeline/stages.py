@@ -60,6 +60,7 @@ from sinv_prune.strict_json import with_null_reasons
 from sinv_prune.surgery.checkpoint import from_pretrained
 from sinv_prune.surgery.removal import count_parameters
 from sinv_prune.units import get_unit
+from sinv_prune.units import units as registered_units
 
 logger = logging.getLogger("sinv_prune")
 #: ``extra=`` of the log lines the console shows at default verbosity (one per finished stage or arm);
@@ -491,11 +492,10 @@ def stage_prune(run: Run) -> None:
         state.update(
             pruned=True,
             criterion=arm.criterion_names,
-            heads_removed=summary.heads_removed,
-            channels_removed=summary.channels_removed,
-            layers_removed=summary.layers_removed,
+            **{f"{u.plural}_removed": u.count(summary.removed(u.name)) for u in registered_units()},
             removed=record.get("pruned_heads", {}),
             removed_channels={layer: len(c) for layer, c in record.get("pruned_mlp", {}).items()},
+            removed_experts=record.get("pruned_experts", {}),
             removed_layers=record.get("removed_layers", []),
             pruned_dir=str(path.relative_to(run.root)),
         )
@@ -683,8 +683,8 @@ def stage_evaluate(run: Run) -> dict:
             "rounds": arm.rounds,
             "per_round": state.get("rounds"),
             "heads_removed": state["heads_removed"],
-            **{k: state.get(k, 0) for k in ("channels_removed", "layers_removed")},
-            **{k: state.get(k) for k in ("removed", "removed_channels", "removed_layers")},
+            **{f"{u.plural}_removed": state.get(f"{u.plural}_removed", 0) for u in registered_units()},
+            **{k: state.get(k) for k in ("removed", "removed_channels", "removed_experts", "removed_layers")},
             "pruned": evaluate_model(run, pruned, f"{arm.label} (pruned)", offload=offload),
             "model_dir": state["pruned_dir"],
             "score_report": scores.get(criterion_key(arm), {}).get("report", {}),
