@@ -334,3 +334,17 @@ def test_uneven_counts_turn_off_the_load_balancing_loss_they_would_break(caplog)
     assert uniform.config.output_router_logits
     uniform.train()
     assert uniform(INPUTS, labels=INPUTS).aux_loss.isfinite()
+
+
+def test_sinv_depth_reads_a_moe_layers_c_ff_as_its_experts_mean():
+    from sinv_prune.scoring.measures import head_measures
+
+    model = fresh("qwen3_moe")
+    criterion = get_criterion("sinv_depth", unit="layers")
+    scores = criterion.compute(model)
+    measures = head_measures(model, keys=["C_Q", "C_FF", "C_FF_experts"])
+    for layer in range(LAYERS):
+        experts = measures["C_FF_experts"][layer]
+        c_ff = sum(experts) / len(experts) if experts else measures["C_FF"][layer]
+        c_q = sum(measures["C_Q"][layer]) / len(measures["C_Q"][layer])
+        assert scores[layer] == pytest.approx(-c_ff / c_q, rel=1e-6)

@@ -109,6 +109,7 @@ class SinvDepthCriterion(Criterion):
     ``block_influence``); if not, it does not. ``invert=True`` scores ``+r_l`` (the most
     converged layers go first), the control. Data-free.
 
+    A mixture-of-experts layer's ``C_FF`` is the mean of its routed experts' (``C_FF_experts``).
     A layer without heads has no ``C_Q``; the mean over all heads of the model stands in
     (a model without heads raises). A zero denominator gives ``r = inf`` (``0`` if ``C_FF`` is 0 too):
     such a layer is removed first; :meth:`report` writes its ratio as ``None`` with the reason.
@@ -129,13 +130,17 @@ class SinvDepthCriterion(Criterion):
     def scores(self, model: nn.Module) -> list[float]:
         from sinv_prune.scoring.measures import head_measures
 
-        values = head_measures(model, keys=["C_Q", "C_FF"])
+        has_experts = any(get_adapter(model).num_experts(i) for i in range(get_adapter(model).num_layers))
+        values = head_measures(model, keys=["C_Q", "C_FF", *(["C_FF_experts"] if has_experts else [])])
+        experts = values.get("C_FF_experts") or [[] for _ in values["C_FF"]]
         every = [float(v) for row in values["C_Q"] for v in row]
         if not every:
             raise ValueError("sinv_depth: the model has no attention heads, so no C_Q")
         fallback = math.fsum(every) / len(every)
         ratios = []
         for layer, (row, c_ff) in enumerate(zip(values["C_Q"], values["C_FF"], strict=True)):
+            if c_ff is None and experts[layer]:  # a MoE layer: the mean over its routed experts
+                c_ff = math.fsum(experts[layer]) / len(experts[layer])
             if c_ff is None:
                 raise ValueError(f"sinv_depth: layer {layer} has no C_FF (no MLP linear path)")
             c_q = math.fsum(row) / len(row) if row else fallback
