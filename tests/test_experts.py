@@ -10,6 +10,7 @@ import contextlib
 import copy
 import json
 import re
+import tempfile
 
 import pytest
 import torch
@@ -138,6 +139,13 @@ def test_pruned_equals_masked_router_original(family, data):
     assert record.num_experts == EXPERTS
     assert record.pruned_experts == {layer: sorted(e) for layer, e in plan.items() if e}
     assert summary.experts_removed == sum(map(len, plan.values()))
+    uniform = len({len(e) for e in plan.values()}) == 1
+    assert record.stock_layout == uniform
+    with tempfile.TemporaryDirectory() as directory:  # uniform: the stock class; uneven: through the record
+        model.save_pretrained(directory)
+        load = transformers.AutoModelForCausalLM.from_pretrained if uniform else sinv_prune.from_pretrained
+        reloaded = load(directory).eval()
+    torch.testing.assert_close(logits(reloaded), reference, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
