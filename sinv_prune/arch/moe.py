@@ -4,8 +4,9 @@ MoE blocks whose experts are stored fused (``experts.gate_up_proj`` ``[E, 2I, H]
 layout (see :class:`GptOssAdapter`); the criteria read experts only through the adapter
 (``expert_weights``, ``expert_mlp``, ``expert_output``), never through the fused tensors.
 
-A MoE layer has no dense MLP channels: its ``intermediate_size`` is 0 and the ``mlp`` unit leaves it
-alone; its experts are the ``experts`` unit's items. Qwen2/3-MoE may mix dense layers in
+A MoE layer has no dense MLP channels: its ``intermediate_size`` is 0; the ``mlp`` unit prunes the channels
+inside its experts instead (``slice_expert_channels``, ``slice_shared_channels``), and its experts are the
+``experts`` unit's items. Qwen2/3-MoE may mix dense layers in
 (``mlp_only_layers``, ``decoder_sparse_step``); those prune like LLaMA MLPs.
 """
 
