@@ -10,6 +10,7 @@ from sinv_prune.arch.base import linear_weight
 from sinv_prune.scoring.criteria.base import Criterion, Scores
 from sinv_prune.scoring.criteria.registry import register_criterion
 from sinv_prune.units import get_unit
+from sinv_prune.units.experts import EXPERTS
 from sinv_prune.units.mlp import MLP
 
 
@@ -50,7 +51,7 @@ class MagnitudeCriterion(Criterion):
         adapter = get_adapter(model)
         if get_unit(self.unit) is MLP:
             return [_channel_scores(adapter, layer, self.p) for layer in range(adapter.num_layers)]
-        if self.unit == "experts":
+        if get_unit(self.unit) is EXPERTS:
             return [_expert_scores(adapter, layer, self.p) for layer in range(adapter.num_layers)]
         out = []
         with torch.no_grad():
