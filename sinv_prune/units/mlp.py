@@ -3,8 +3,9 @@
 On a mixture-of-experts layer the items are the channels inside its experts: routed expert ``e``'s
 channel ``c`` is item ``e * I + c`` (``I`` the current expert width), then the shared expert's
 channel ``c`` (Qwen2-MoE) is item ``E * I + c``. The fused expert weights need one width, so every
-routed expert of a layer loses the same number of channels (each its own ones); each expert and the
-shared expert keep at least one. Removal is exact: the pruned model computes what the original
+routed expert of a layer loses the same number of channels (each its own ones), and a cut expert keeps
+a multiple of :data:`EXPERT_ALIGN` (the ``grouped_mm`` experts kernel's alignment); the shared expert
+keeps at least one. Removal is exact: the pruned model computes what the original
 computes with those channels' down-projection columns zeroed.
 """
 
