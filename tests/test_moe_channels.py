@@ -31,10 +31,31 @@ DENSE = 24  # Qwen2/3-MoE's dense layer 1
 _BASE: dict[str, transformers.PreTrainedModel] = {}
 
 
+ALL = (*FAMILIES, "gpt_oss")  # GPT-OSS: transposed, interleaved gate/up, biased experts
+
+
+def tiny_gpt_oss(implementation: str | None = None) -> transformers.GptOssForCausalLM:
+    """test_gpt_oss's tiny GPT-OSS with experts of WIDTH channels."""
+    config = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=WIDTH, num_local_experts=EXPERTS, num_experts_per_tok=2,
+        max_position_embeddings=64, sliding_window=4, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    if implementation is not None:
+        model.set_experts_implementation(implementation)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model.eval()
+
+
 def fresh(family: str):
     if family not in _BASE:
         key = "moe_intermediate_size" if family.startswith("qwen") else "intermediate_size"
-        _BASE[family] = tiny_moe(family, **{key: WIDTH})
+        _BASE[family] = tiny_gpt_oss() if family == "gpt_oss" else tiny_moe(family, **{key: WIDTH})
     return copy.deepcopy(_BASE[family])
 
 
@@ -48,9 +69,10 @@ def zeroed(model, channels: dict[int, list[int]]):
                 adapter.mlp_out(layer).weight[:, items] = 0
                 continue
             width, base = adapter.expert_width(layer), adapter.num_experts(layer) * adapter.expert_width(layer)
+            down = adapter.expert_weights(layer)[2]  # [E, H, I] views of the fused tensors, whatever the layout
             for item in items:
                 if item < base:
-                    adapter.experts(layer).down_proj[item // width][:, item % width] = 0
+                    down[item // width][:, item % width] = 0
                 else:
                     adapter.shared_expert(layer).down_proj.weight[:, item - base] = 0
     return out
@@ -105,7 +127,7 @@ def channel_plans(draw, model):
     return plan
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL)
 @HYPOTHESIS
 @given(data=st.data())
 def test_pruned_equals_the_original_with_those_down_columns_zeroed(family, data):
@@ -118,7 +140,8 @@ def test_pruned_equals_the_original_with_those_down_columns_zeroed(family, data)
     for layer in moe_layers(model):
         kept = WIDTH - sum(1 for i in plan[layer] if i < EXPERTS * WIDTH) // EXPERTS
         assert adapter.expert_width(layer) == kept
-        assert adapter.experts(layer).gate_up_proj.shape == (EXPERTS, 2 * kept, 32)
+        gate, up, down = adapter.expert_weights(layer)
+        assert gate.shape == up.shape == (EXPERTS, kept, 32) and down.shape == (EXPERTS, 32, kept)
         shared = sum(1 for i in plan[layer] if i >= EXPERTS * WIDTH)
         assert adapter.shared_width(layer) == (SHARED - shared if family == "qwen2_moe" else 0)
     assert summary.channels_removed == sum(map(len, plan.values()))
@@ -127,6 +150,20 @@ def test_pruned_equals_the_original_with_those_down_columns_zeroed(family, data)
         moe = {layer: sorted(v) for layer, v in plan.items() if v and layer in moe_layers(model)}
         assert record.pruned_expert_channels == moe  # an unpruned model: original numbering is current numbering
         assert record.expert_width == (WIDTH if moe else None)  # uncut experts: the record reads as before
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_every_experts_implementation_runs_the_cut_exactly(family, implementation):
+    """transformers' three expert forwards on the cut weights (grouped_mm: the alignment rule's reason)."""
+    model = tiny_gpt_oss(implementation) if family == "gpt_oss" else fresh(family)
+    model.set_experts_implementation(implementation)
+    plan = expert_channel_plan(model, 8)
+    plan[moe_layers(model)[-1]] = expert_channel_plan(model, 24, seed=1)[moe_layers(model)[-1]]
+    reference = logits(zeroed(model, plan))
+    assert (reference - logits(model)).abs().max() > 1e-3  # the zeroed columns matter
+    sinv_prune.prune(model, {"mlp": plan})
+    torch.testing.assert_close(logits(model), reference, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -167,7 +204,7 @@ def test_compensation_is_refused_for_channels_inside_experts():
     assert same_state(model, state, config)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL)
 def test_uniform_widths_reload_on_the_stock_class(family, tmp_path):
     model = fresh(family)
     sinv_prune.prune(model, {"mlp": expert_channel_plan(model, 16, shared=5)})
@@ -251,7 +288,7 @@ def test_one_plan_cuts_channels_and_experts_of_a_layer():
     assert record.pruned_experts == {0: [3]} and record.pruned_expert_channels == channels
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss"])
 def test_pruner_magnitude_removes_each_experts_weakest_channels(family):
     model = fresh(family)
     scores = sinv_prune.get_criterion("magnitude", unit="mlp").compute(model)

@@ -268,6 +268,19 @@ class GptOssAdapter(MoeAdapter):
     def renormalizes(self, router: nn.Module) -> bool:
         return True  # the softmax over the top k is the full softmax's top k renormalised
 
+    def slice_expert_channels(self, layer: int, keep: torch.Tensor) -> None:
+        """Keep channels ``keep[e]`` (``[experts, k]``) of every expert: its interleaved gate and up columns
+        ``2c, 2c + 1`` of ``gate_up_proj`` and ``gate_up_proj_bias``, rows ``c`` of ``down_proj`` (whose
+        bias, added after the channels, stays)."""
+        experts = self.experts(layer)
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()  # [E, H, 2I], [E, I, H]
+        keep = keep.to(gate_up.device)
+        columns = torch.stack([2 * keep, 2 * keep + 1], dim=2).flatten(1)  # [E, 2k]: gate, up, gate, up, ...
+        _replace(experts, "gate_up_proj", gate_up.gather(2, columns[:, None, :].expand(-1, gate_up.shape[1], -1)))
+        _replace(experts, "gate_up_proj_bias", experts.gate_up_proj_bias.detach().gather(1, columns))
+        _replace(experts, "down_proj", down.gather(1, keep[:, :, None].expand(-1, -1, down.shape[2])))
+        experts.intermediate_size = keep.shape[1]
+
     def slice_heads(self, layer, keep_q, keep_kv):
         super().slice_heads(layer, keep_q, keep_kv)
         attn = self.attention(layer)

@@ -48,9 +48,12 @@ class MlpUnit(Unit):
 
     def cost(self, model: nn.Module, layer: int) -> int:
         adapter = get_adapter(model)
-        if moe_geometry(adapter, layer) is not None:  # a gate and an up row, a down column (routed or shared)
+        geometry = moe_geometry(adapter, layer)
+        if geometry is not None:  # a gate and an up row (and biases, GPT-OSS), a down column; routed or shared
             experts = adapter.experts(layer)
-            return 2 * experts.gate_up_proj.shape[-1] + experts.down_proj.shape[1]
+            names = ("gate_up_proj", "gate_up_proj_bias", "down_proj")
+            weights = sum(getattr(experts, n).numel() for n in names if getattr(experts, n, None) is not None)
+            return weights // (geometry.experts * geometry.width)
         return channel_cost(model, layer)
 
     def gates(self, model: nn.Module, *, requires_grad: bool = True) -> AbstractContextManager[list]:
