@@ -197,7 +197,10 @@ def prune(
       heads go; removing every head of a layer needs ``allow_empty_layers=True`` (the
       attention then contributes only its output bias).
     * ``"mlp"``: ``{layer: [intermediate channels]}``: rows of the up (and gate) projection,
-      columns of the down projection. A layer keeps at least one channel.
+      columns of the down projection. A layer keeps at least one channel. On a mixture-of-experts
+      layer the channels are those inside its experts, routed expert ``e``'s channel ``c`` as
+      ``e * I + c`` then the shared expert's as ``E * I + c``; every routed expert loses as many
+      (:mod:`sinv_prune.units.mlp`).
     * ``"layers"``: ``[layer, ...]``: whole blocks to drop (block output = block input). At
       least one block stays, and a removed block may not also be named under ``"heads"``
       or ``"mlp"``.
