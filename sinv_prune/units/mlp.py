@@ -167,17 +167,17 @@ class MlpUnit(Unit):
         return f"  MLP channels kept {len(record.kept_channels(layer))}/{record.intermediate_size}"
 
     def card_text(self, record):
+        kept = record.kept_layers()
+        moe = record.num_experts is not None  # the record does not say which layers are dense: the cut ones
+        dense = [i for i in kept if i in record.pruned_mlp] if moe else kept
         phrases = []
-        if record.pruned_mlp:
-            widths = sorted({len(record.kept_channels(i)) for i in record.kept_layers()})
-            width = f"{widths[0]}" if len(widths) == 1 else f"{widths[0]} to {widths[-1]}"
-            phrases.append(f"{width} of {record.intermediate_size} MLP channels kept per remaining layer")
-        if record.pruned_expert_channels:
-            widths = sorted(
-                {len(record.kept_expert_channels(i, e[0])) for i in record.pruned_expert_channels
-                 if (e := record.kept_experts(i))}
-            )  # fmt: skip
-            width = f"{widths[0]}" if len(widths) == 1 else f"{widths[0]} to {widths[-1]}"
+        if record.pruned_mlp and dense:
+            width = _span({len(record.kept_channels(i)) for i in dense})
+            where = "in the pruned dense layers" if moe else "per remaining layer"
+            phrases.append(f"{width} of {record.intermediate_size} MLP channels kept {where}")
+        cut = [i for i in kept if i in record.pruned_expert_channels]
+        if cut:
+            width = _span({len(record.kept_expert_channels(i, record.kept_experts(i)[0])) for i in cut})
             phrases.append(f"{width} of {record.expert_width} channels kept per expert in the pruned MoE layers")
         return "; ".join(phrases)
 
@@ -268,6 +268,11 @@ class MlpUnit(Unit):
             )
             changes.append(MlpChange(layer, removed, removed_original, len(keep)))
         return changes
+
+
+def _span(values: set[int]) -> str:
+    low, high = min(values), max(values)
+    return f"{low}" if low == high else f"{low} to {high}"
 
 
 @dataclass
