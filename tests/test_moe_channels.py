@@ -24,6 +24,7 @@ from sinv_prune.arch import get_adapter
 from sinv_prune.cli import main
 from sinv_prune.surgery.checkpoint import base_class
 from sinv_prune.surgery.record import get_record
+from sinv_prune.units import get_unit
 
 WIDTH = 32  # expert width; a cut expert keeps a multiple of 8 (transformers' grouped_mm kernel)
 SHARED = 20  # Qwen2-MoE's shared expert
@@ -338,6 +339,8 @@ def test_info_shows_per_layer_expert_widths(tmp_path):
     assert result.exit_code == 0, result.output
     assert "expert channels kept 24/32 per expert, shared 16/20" in result.output
     assert "expert channels kept 16/32 per expert, shared 20/20" in result.output
+    card = get_unit("mlp").card_text(get_record(model.config))
+    assert card == "16 to 24 of 32 channels kept per expert in the pruned MoE layers"
 
 
 def test_uniform_channel_cut_exports_to_gguf_and_round_trips(tmp_path):
