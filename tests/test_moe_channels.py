@@ -353,3 +353,27 @@ def test_uniform_channel_cut_exports_to_gguf_and_round_trips(tmp_path):
     assert get_adapter(model).expert_width(0) == 16 and get_record(model.config).stock_layout
     out = export(model, tmp_path, verify=True)
     assert out.verify.passed and out.verify.top1_agreement == 1.0, out.verify
+
+
+def test_rounds_follow_the_channels_in_original_numbering(tmp_path):
+    model = fresh("qwen2_moe")
+    summary = sinv_prune.Pruner([sinv_prune.Part("mlp", "random", 0.5)], rounds=2).prune(model)
+    adapter = get_adapter(model)
+    assert summary.channels_removed > 0 and all(adapter.expert_width(i) % 8 == 0 for i in moe_layers(model))
+    record = get_record(model.config)
+    for layer in moe_layers(model):  # the record describes the model as it is
+        expected = adapter.num_experts(layer) * adapter.expert_width(layer) + adapter.shared_width(layer)
+        assert len(record.kept_moe_items(layer)) == expected
+    expected = logits(model)
+    model.save_pretrained(tmp_path)
+    torch.testing.assert_close(logits(sinv_prune.from_pretrained(tmp_path).eval()), expected, atol=1e-6, rtol=0)
+
+
+def test_an_exact_amount_the_experts_cannot_split_is_refused():
+    model = fresh("mixtral")
+    state, config = {k: v.clone() for k, v in model.state_dict().items()}, model.config.to_dict()
+    with pytest.raises(ValueError, match="every expert of a mixture-of-experts layer loses the same number"):
+        sinv_prune.Pruner([sinv_prune.Part("mlp", "random", 50, exact=True)]).prune(model)
+    assert same_state(model, state, config)
+    summary = sinv_prune.Pruner([sinv_prune.Part("mlp", "random", 50)]).prune(model)  # the nearest below
+    assert summary.channels_removed == 48  # 8 from each of the 6 experts in one layer

@@ -95,7 +95,9 @@ class MlpUnit(Unit):
             exact=exact,
         )
         chosen = {kept[i]: channels for i, channels in chosen.items()}
-        return within_experts(get_adapter(model), chosen, rows, part.multiple, part.seed, exact)
+        floors = [_least(part.min_per_layer, part.mode, sizes[layer]) for layer in kept]
+        return within_experts(get_adapter(model), chosen, rows, kept, dict(zip(kept, floors, strict=True)),
+                              part.multiple, part.seed, exact)  # fmt: skip
 
     def check_amount(self, adapter, amount, options) -> None:
         widths = [w for w in (layer_width(adapter, layer) for layer in range(adapter.num_layers)) if w]
@@ -132,7 +134,9 @@ class MlpUnit(Unit):
             except ValueError:
                 continue
             chosen = {kept[i]: channels for i, channels in chosen.items()}
-            return within_experts(get_adapter(model), chosen, rows, part.multiple, part.seed, False)
+            floors = floor if isinstance(floor, list) else [_least(floor, part.mode, sizes[i]) for i in kept]
+            return within_experts(get_adapter(model), chosen, rows, kept, dict(zip(kept, floors, strict=True)),
+                                  part.multiple, part.seed, False)  # fmt: skip
         return {}
 
     def original_items(self, record, adapter, layer, orig):
@@ -268,6 +272,13 @@ class MlpUnit(Unit):
             )
             changes.append(MlpChange(layer, removed, removed_original, len(keep)))
         return changes
+
+
+def _least(min_per_layer: int | None, mode: str, width: int) -> int:
+    """The items a layer keeps at least under a part's settings (select_channels' default floors)."""
+    if min_per_layer is not None:
+        return min_per_layer
+    return quarter(width) if mode == "global" else 1
 
 
 def _span(values: set[int]) -> str:
@@ -425,20 +436,13 @@ def moe_items(record, g: Geometry, orig: int) -> list[int]:
     return record.kept_moe_items(orig)
 
 
-def split_count(g: Geometry, count: int, multiple: int = 1) -> tuple[int, int]:
-    """How many channels each routed expert and the shared expert lose when a MoE layer is to lose about
-    ``count``: the most per expert, ``k``, with ``experts * k + s <= count``, where the shared expert loses
-    the same fraction ``s = k * shared // width``; every expert keeps a multiple of ``multiple`` and of
-    :data:`EXPERT_ALIGN` channels."""
+def expert_steps(g: Geometry, multiple: int = 1) -> list[tuple[int, int]]:
+    """The cuts a MoE layer can take, ascending: ``(k, s)``, each routed expert losing ``k`` channels (keeping a
+    multiple of ``multiple`` and of :data:`EXPERT_ALIGN`) and the shared expert the same fraction
+    ``s = k * shared // width`` (keeping at least one)."""
     step = math.lcm(multiple, EXPERT_ALIGN)
-    best = (0, 0)
-    for k in range(1, g.width):
-        s = min(k * g.shared // g.width, g.shared - 1) if g.shared else 0
-        if g.experts * k + s > count:
-            break
-        if (g.width - k) % step == 0:
-            best = (k, s)
-    return best
+    ks = [0] + [k for k in range(1, g.width) if (g.width - k) % step == 0]
+    return [(k, min(k * g.shared // g.width, g.shared - 1) if g.shared else 0) for k in ks]
 
 
 def _lowest(scores: list[float], count: int, tie_seed: int) -> list[int]:
@@ -447,41 +451,58 @@ def _lowest(scores: list[float], count: int, tie_seed: int) -> list[int]:
     return sorted(sorted(range(len(scores)), key=lambda j: (scores[j], tie[j]))[:count])
 
 
-def within_experts(adapter: HeadAdapter, chosen: dict[int, list[int]], rows, multiple: int, seed: int,
-                   exact: bool) -> dict[int, list[int]]:  # fmt: skip
-    """``chosen`` with every MoE layer's items replaced: its count split over the experts (:func:`split_count`),
-    each routed expert losing its own lowest-scored channels and the shared expert its share."""
-    out, short = {}, 0
-    for layer, items in chosen.items():
-        g = moe_geometry(adapter, layer)
-        if g is None:
-            out[layer] = items
-            continue
-        k, s = split_count(g, len(items), multiple)
-        row = rows[layer]
-        picked = [
-            e * g.width + c
-            for e in range(g.experts)
-            for c in _lowest(row[e * g.width : (e + 1) * g.width], k, seed + layer)
+def within_experts(adapter: HeadAdapter, chosen: dict[int, list[int]], rows, layers: list[int], floors,
+                   multiple: int, seed: int, exact: bool) -> dict[int, list[int]]:  # fmt: skip
+    """``chosen`` (the generic per-layer selection among ``layers``) with every MoE layer's count made one its
+    experts can take (:func:`expert_steps`): the largest not above it, then, while the total falls short of
+    the chosen total, one step more for the MoE layer furthest below its count whose step still fits (and
+    keeps ``floors[layer]`` items). Each routed expert loses its own lowest-scored channels, the shared
+    expert its share."""
+    wanted = {layer: len(items) for layer, items in chosen.items()}
+    target = sum(wanted.values())
+    moe = {layer: g for layer in layers if (g := moe_geometry(adapter, layer)) is not None}
+    if not moe:
+        return chosen
+    steps = {layer: expert_steps(g, multiple) for layer, g in moe.items()}
+    removed = {layer: lambda i, layer=layer: moe[layer].experts * steps[layer][i][0] + steps[layer][i][1]
+               for layer in moe}  # fmt: skip
+    at = {layer: max(i for i in range(len(steps[layer])) if removed[layer](i) <= wanted.get(layer, 0)) for layer in moe}
+    got = sum(n for layer, n in wanted.items() if layer not in moe) + sum(removed[m](i) for m, i in at.items())
+    while got < target:
+        fits = [
+            (wanted.get(m, 0) - removed[m](i), -m)
+            for m, i in at.items()
+            if i + 1 < len(steps[m])
+            and got + removed[m](i + 1) - removed[m](i) <= target
+            and moe[m].total - removed[m](i + 1) >= floors[m]
         ]
+        if not fits:
+            break
+        layer = -max(fits)[1]
+        got += removed[layer](at[layer] + 1) - removed[layer](at[layer])
+        at[layer] += 1
+    out = {layer: items for layer, items in chosen.items() if layer not in moe}
+    for layer, i in at.items():
+        g, (k, s), row = moe[layer], steps[layer][i], rows[layer]
+        if not k and not s:
+            continue
         base = g.experts * g.width
-        picked += [base + c for c in _lowest(row[base:], s, seed + layer)]
-        short += len(items) - len(picked)
-        if picked:
-            out[layer] = picked
-    if short and exact:
+        out[layer] = [e * g.width + c for e in range(g.experts)
+                      for c in _lowest(row[e * g.width : (e + 1) * g.width], k, seed + layer)]  # fmt: skip
+        out[layer] += [base + c for c in _lowest(row[base:], s, seed + layer)]
+    if got < target and exact:
         raise ValueError(
-            f"cannot remove exactly {sum(map(len, chosen.values()))} MLP channels: every expert of a "
-            f"mixture-of-experts layer loses the same number, so the nearest achievable below is "
-            f"{sum(map(len, out.values()))}"
+            f"cannot remove exactly {target} MLP channels: every expert of a mixture-of-experts layer loses the "
+            f"same number (a kept width a multiple of {EXPERT_ALIGN}), so the nearest achievable below is {got}"
         )
-    if short:
+    if got < target:
         logging.getLogger(__name__).warning(
-            "sinv_prune: %d MLP channels fewer removed: every expert of a mixture-of-experts layer loses the same "
-            "number",
-            short,
+            "sinv_prune: %d MLP channels requested, %d removed: every expert of a mixture-of-experts layer loses "
+            "the same number",
+            target,
+            got,
         )
-    return out
+    return dict(sorted(out.items()))
 
 
 def rebuild_experts(adapter: HeadAdapter, layer: int, orig: int, record: PruningRecord) -> None:
