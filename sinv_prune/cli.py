@@ -350,7 +350,11 @@ def _print_summary(results: dict, output: Path) -> None:
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option("--heads", default=None, help="Query heads to remove per layer: '0:1,3;5:0' or JSON {\"0\": [1, 3]}.")
-@click.option("--mlp", default=None, help="MLP channels to remove per layer: '0:0-127;3:5,9' or JSON.")
+@click.option(
+    "--mlp",
+    default=None,
+    help="MLP channels to remove per layer: '0:0-127;3:5,9' or JSON (MoE layers: expert e's channel c is e*I+c).",
+)
 @click.option("--layers", default=None, help="Whole blocks to remove: '3,5-7' or JSON [3, 5].")
 @click.option("--experts", default=None, help="Routed experts to remove per MoE layer: '0:1,5;2:3' or JSON.")
 @click.option(

@@ -251,13 +251,13 @@ def test_olmoe_refuses_heads_in_one_line():
     assert "\n" not in str(err.value)
 
 
-def test_dense_layer_channels_of_a_mixed_model_and_the_moe_layers_refusal():
+def test_dense_layer_channels_of_a_mixed_model_and_the_moe_layers_own_rule():
     model = fresh("qwen3_moe")
     sinv_prune.prune(model, {"mlp": {1: [0, 5]}})
     assert get_adapter(model).intermediate_size(1) == 22
     assert get_record(model.config).pruned_mlp == {1: [0, 5]}
-    with pytest.raises(ValueError, match="mlp layer 0: a mixture-of-experts layer has no dense MLP channels"):
-        sinv_prune.prune(model, {"mlp": {0: [0]}})
+    with pytest.raises(ValueError, match=r"mlp layer 0: every expert must lose the same number of channels"):
+        sinv_prune.prune(model, {"mlp": {0: [0]}})  # MoE layers: channels inside experts (test_moe_channels.py)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3"])

@@ -4,8 +4,9 @@ MoE blocks whose experts are stored fused (``experts.gate_up_proj`` ``[E, 2I, H]
 layout (see :class:`GptOssAdapter`); the criteria read experts only through the adapter
 (``expert_weights``, ``expert_mlp``, ``expert_output``), never through the fused tensors.
 
-A MoE layer has no dense MLP channels: its ``intermediate_size`` is 0 and the ``mlp`` unit leaves it
-alone; its experts are the ``experts`` unit's items. Qwen2/3-MoE may mix dense layers in
+A MoE layer has no dense MLP channels: its ``intermediate_size`` is 0; the ``mlp`` unit prunes the channels
+inside its experts instead (``slice_expert_channels``, ``slice_shared_channels``), and its experts are the
+``experts`` unit's items. Qwen2/3-MoE may mix dense layers in
 (``mlp_only_layers``, ``decoder_sparse_step``); those prune like LLaMA MLPs.
 """
 
@@ -16,7 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from sinv_prune.arch.base import _replace
+from sinv_prune.arch.base import _replace, select_in, select_out
 from sinv_prune.arch.llama import LlamaAdapter
 from sinv_prune.arch.registry import register_adapter
 
@@ -30,6 +31,8 @@ class MoeAdapter(LlamaAdapter):
     config_experts_key: ClassVar[str] = "num_experts"
     #: Config attribute holding one expert's width (Mixtral / OLMoE: intermediate_size; they have no dense layers).
     config_expert_width_key: ClassVar[str] = "moe_intermediate_size"
+    #: Config attribute holding the shared expert's width (Qwen2-MoE), None where MoE layers have none.
+    config_shared_width_key: ClassVar[str | None] = None
     #: What a layer's router does with the top-k weights, for messages and docs.
     routing: ClassVar[str] = "softmax over the experts, top-k"
 
@@ -59,6 +62,38 @@ class MoeAdapter(LlamaAdapter):
         experts = self.experts(layer)
         gate, up = experts.gate_up_proj.chunk(2, dim=1)
         return gate, up, experts.down_proj
+
+    def shared_expert(self, layer: int) -> nn.Module | None:
+        """The always-on shared expert of a MoE layer (Qwen2-MoE: gate / up / down ``nn.Linear``), or None."""
+        block = self.moe_block(layer)
+        return None if block is None else getattr(block, "shared_expert", None)
+
+    def shared_width(self, layer: int) -> int:
+        """The shared expert's intermediate width (0: none)."""
+        shared = self.shared_expert(layer)
+        return 0 if shared is None else shared.down_proj.in_features
+
+    def slice_expert_channels(self, layer: int, keep: torch.Tensor) -> None:
+        """Keep channels ``keep[e]`` (``[experts, k]``, ascending per row) of every routed expert ``e``: its
+        gate and up rows of ``gate_up_proj`` and the same columns of ``down_proj``."""
+        experts = self.experts(layer)
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        keep = keep.to(gate_up.device)
+        width, count = down.shape[-1], keep.shape[1]
+        rows = torch.cat([keep, keep + width], dim=1)  # gate rows, then the same channels' up rows
+        _replace(experts, "gate_up_proj", gate_up.gather(1, rows[:, :, None].expand(-1, -1, gate_up.shape[2])))
+        _replace(experts, "down_proj", down.gather(2, keep[:, None, :].expand(-1, down.shape[1], -1)))
+        if hasattr(experts, "intermediate_dim"):
+            experts.intermediate_dim = count
+
+    def slice_shared_channels(self, layer: int, keep: torch.Tensor) -> None:
+        """Keep channels ``keep`` (ascending) of the shared expert: gate / up rows, down columns."""
+        shared = self.shared_expert(layer)
+        for module in (shared.gate_proj, shared.up_proj):
+            select_out(module, keep)
+        select_in(shared.down_proj, keep)
+        if hasattr(shared, "intermediate_size"):
+            shared.intermediate_size = keep.numel()
 
     def expert_mlp(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One expert's ``(W_gate, W_up, W_down)`` as ``[out, in]`` views (``[I, H]``, ``[I, H]``, ``[H, I]``)."""
@@ -141,10 +176,11 @@ class Qwen3MoeAdapter(MoeAdapter):
 @register_adapter
 class Qwen2MoeAdapter(MoeAdapter):
     """Qwen2-MoE: Qwen2 attention (q/k/v biases); MoE layers add a shared expert behind a sigmoid gate, which
-    expert pruning leaves alone."""
+    expert pruning leaves alone (the ``mlp`` unit prunes its channels)."""
 
     name = "qwen2_moe"
     model_types = ("qwen2_moe",)
+    config_shared_width_key = "shared_expert_intermediate_size"
 
 
 @register_adapter
@@ -231,6 +267,19 @@ class GptOssAdapter(MoeAdapter):
 
     def renormalizes(self, router: nn.Module) -> bool:
         return True  # the softmax over the top k is the full softmax's top k renormalised
+
+    def slice_expert_channels(self, layer: int, keep: torch.Tensor) -> None:
+        """Keep channels ``keep[e]`` (``[experts, k]``) of every expert: its interleaved gate and up columns
+        ``2c, 2c + 1`` of ``gate_up_proj`` and ``gate_up_proj_bias``, rows ``c`` of ``down_proj`` (whose
+        bias, added after the channels, stays)."""
+        experts = self.experts(layer)
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()  # [E, H, 2I], [E, I, H]
+        keep = keep.to(gate_up.device)
+        columns = torch.stack([2 * keep, 2 * keep + 1], dim=2).flatten(1)  # [E, 2k]: gate, up, gate, up, ...
+        _replace(experts, "gate_up_proj", gate_up.gather(2, columns[:, None, :].expand(-1, gate_up.shape[1], -1)))
+        _replace(experts, "gate_up_proj_bias", experts.gate_up_proj_bias.detach().gather(1, columns))
+        _replace(experts, "down_proj", down.gather(1, keep[:, :, None].expand(-1, -1, down.shape[2])))
+        experts.intermediate_size = keep.shape[1]
 
     def slice_heads(self, layer, keep_q, keep_kv):
         super().slice_heads(layer, keep_q, keep_kv)

@@ -494,7 +494,10 @@ def stage_prune(run: Run) -> None:
             criterion=arm.criterion_names,
             **{f"{u.plural}_removed": u.count(summary.removed(u.name)) for u in registered_units()},
             removed=record.get("pruned_heads", {}),
-            removed_channels={layer: len(c) for layer, c in record.get("pruned_mlp", {}).items()},
+            removed_channels={
+                layer: len(c)  # dense channels, or (MoE layers) those inside the experts
+                for layer, c in {**record.get("pruned_mlp", {}), **record.get("pruned_expert_channels", {})}.items()
+            },
             removed_experts=record.get("pruned_experts", {}),
             removed_layers=record.get("removed_layers", []),
             pruned_dir=str(path.relative_to(run.root)),

@@ -58,9 +58,11 @@ def channel_gates(model: nn.Module, *, requires_grad: bool = True) -> Iterator[l
     gates, handles = [], []
     try:
         for layer in range(adapter.num_layers):
-            if not adapter.intermediate_size(layer):  # a mixture-of-experts layer: no dense channels, an empty gate
-                gates.append(torch.ones(0, requires_grad=requires_grad))
-                continue
+            if adapter.num_experts(layer):  # its MLP items are the channels inside the experts
+                raise ValueError(
+                    f"layer {layer} is a mixture-of-experts layer: MLP channel gates (taylor, allocation) cover dense "
+                    "MLPs only; score the channels inside experts with magnitude or random"
+                )
             down = adapter.mlp_out(layer)
             gate = torch.ones(adapter.intermediate_size(layer), device=down.weight.device, requires_grad=requires_grad)
             gates.append(gate)

@@ -28,6 +28,11 @@ class PruningRecord:
     original MLP width (None in records written before MLP pruning: unpruned then).
     ``num_experts`` is the original routed-expert count of a mixture-of-experts model (None for a
     dense one) and ``pruned_experts`` maps an original layer index to its removed experts.
+    ``expert_width`` is the original width of one routed expert and ``shared_expert_width`` that of
+    the shared expert (Qwen2-MoE; None without one); ``pruned_expert_channels`` maps an original MoE
+    layer to the channels removed inside its experts, numbered ``e * expert_width + c`` (original
+    expert ``e``, original channel ``c``) and ``num_experts * expert_width + c`` for the shared
+    expert's channel ``c``. Channels of an expert removed later stay listed (they went with it).
     ``stock_layout`` is true when the config's own sizes already describe the pruned shapes
     (same sizes in every layer, a family whose config can say so), so the stock class loads
     the checkpoint without remote code. The config's layer count (and ``layer_types``) always
@@ -45,6 +50,9 @@ class PruningRecord:
     removed_layers: list[int] = field(default_factory=list)
     num_experts: int | None = None
     pruned_experts: dict[int, list[int]] = field(default_factory=dict)
+    expert_width: int | None = None
+    shared_expert_width: int | None = None
+    pruned_expert_channels: dict[int, list[int]] = field(default_factory=dict)
     stock_layout: bool = False
     type: str = RECORD_TYPE
     version: str = __version__
@@ -76,12 +84,36 @@ class PruningRecord:
         removed = set(self.pruned_experts.get(layer, ()))
         return [e for e in range(self.num_experts or 0) if e not in removed]
 
+    def kept_expert_channels(self, layer: int, expert: int) -> list[int]:
+        """Channels of original routed ``expert`` still present in (original) MoE ``layer``, in order."""
+        width = self.expert_width or 0
+        removed = set(self.pruned_expert_channels.get(layer, ()))
+        return [c for c in range(width) if expert * width + c not in removed]
+
+    def kept_shared_channels(self, layer: int) -> list[int]:
+        """Channels of the shared expert still present in (original) MoE ``layer``, in order."""
+        base = (self.num_experts or 0) * (self.expert_width or 0)
+        removed = set(self.pruned_expert_channels.get(layer, ()))
+        return [c for c in range(self.shared_expert_width or 0) if base + c not in removed]
+
+    def kept_moe_items(self, layer: int) -> list[int]:
+        """The MLP items of (original) MoE ``layer`` still present, in original numbering: the kept experts'
+        kept channels expert-major, then the shared expert's; position ``j`` is current item ``j``."""
+        width, base = self.expert_width or 0, (self.num_experts or 0) * (self.expert_width or 0)
+        routed = [e * width + c for e in self.kept_experts(layer) for c in self.kept_expert_channels(layer, e)]
+        return routed + [base + c for c in self.kept_shared_channels(layer)]
+
     def to_json(self) -> dict:
         data = asdict(self)
         data["pruned_heads"] = {str(k): sorted(v) for k, v in sorted(self.pruned_heads.items()) if v}
         data["pruned_mlp"] = {str(k): sorted(v) for k, v in sorted(self.pruned_mlp.items()) if v}
         data["removed_layers"] = sorted(self.removed_layers)
         data["pruned_experts"] = {str(k): sorted(v) for k, v in sorted(self.pruned_experts.items()) if v}
+        data["pruned_expert_channels"] = {
+            str(k): sorted(v) for k, v in sorted(self.pruned_expert_channels.items()) if v
+        }
+        if not data["pruned_expert_channels"]:  # uncut experts: the record reads as earlier versions wrote it
+            del data["expert_width"], data["shared_expert_width"], data["pruned_expert_channels"]
         if self.num_experts is None:  # dense models' records stay as earlier versions wrote them
             del data["num_experts"], data["pruned_experts"]
         data["version"] = __version__
@@ -107,6 +139,7 @@ class PruningRecord:
         fields["pruned_mlp"] = {int(k): list(v) for k, v in data.get("pruned_mlp", {}).items()}
         fields["removed_layers"] = sorted(int(i) for i in data.get("removed_layers", ()))
         fields["pruned_experts"] = {int(k): list(v) for k, v in data.get("pruned_experts", {}).items()}
+        fields["pruned_expert_channels"] = {int(k): list(v) for k, v in data.get("pruned_expert_channels", {}).items()}
         return cls(**fields)
 
 

@@ -197,7 +197,10 @@ def prune(
       heads go; removing every head of a layer needs ``allow_empty_layers=True`` (the
       attention then contributes only its output bias).
     * ``"mlp"``: ``{layer: [intermediate channels]}``: rows of the up (and gate) projection,
-      columns of the down projection. A layer keeps at least one channel.
+      columns of the down projection. A layer keeps at least one channel. On a mixture-of-experts
+      layer the channels are those inside its experts, routed expert ``e``'s channel ``c`` as
+      ``e * I + c`` then the shared expert's as ``E * I + c``; every routed expert loses as many
+      (:mod:`sinv_prune.units.mlp`).
     * ``"layers"``: ``[layer, ...]``: whole blocks to drop (block output = block input). At
       least one block stays, and a removed block may not also be named under ``"heads"``
       or ``"mlp"``.
@@ -418,6 +421,8 @@ def _current_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
         )
     if record.intermediate_size is None:  # written before MLP pruning existed: the MLPs are whole
         record.intermediate_size = _uniform_width(adapter)
+    if record.num_experts is not None and record.expert_width is None:  # no channel inside an expert cut yet
+        record.expert_width, record.shared_expert_width = _uniform_expert_widths(adapter)
     return record
 
 
@@ -434,6 +439,7 @@ def _fresh_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
     if len(layouts) != 1:
         raise ValueError("model has different head counts per layer but no sinv_prune record in its config")
     (layout,) = layouts
+    expert_width, shared_width = _uniform_expert_widths(adapter)
     return PruningRecord(
         base_class=base_class(type(model)).__name__,
         num_layers=adapter.num_layers,
@@ -442,6 +448,8 @@ def _fresh_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
         head_dim=layout.head_dim,
         intermediate_size=_uniform_width(adapter),
         num_experts=_uniform_experts(adapter),
+        expert_width=expert_width,
+        shared_expert_width=shared_width,
     )
 
 
@@ -451,3 +459,13 @@ def _uniform_experts(adapter: HeadAdapter) -> int | None:
     if len(counts) > 1:
         raise ValueError("model has different expert counts per layer but no sinv_prune record of them in its config")
     return next(iter(counts), None)
+
+
+def _uniform_expert_widths(adapter: HeadAdapter) -> tuple[int | None, int | None]:
+    """The MoE layers' one routed-expert width and one shared-expert width (None: none of either)."""
+    moe = [i for i in range(adapter.num_layers) if adapter.num_experts(i)]
+    widths = {adapter.expert_width(i) for i in moe}
+    shared = {adapter.shared_width(i) for i in moe} - {0}
+    if len(widths) > 1 or len(shared) > 1:
+        raise ValueError("model has different expert widths per layer but no sinv_prune record of them in its config")
+    return next(iter(widths), None), next(iter(shared), None)

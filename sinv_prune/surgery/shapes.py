@@ -34,6 +34,16 @@ def apply_mlp(adapter: HeadAdapter, layer: int, keep: list[int]) -> None:
     adapter.slice_mlp(layer, torch.tensor(keep, dtype=torch.long, device=device))
 
 
+def apply_expert_channels(adapter: HeadAdapter, layer: int, routed: list[list[int]], shared: list[int]) -> None:
+    """Slice one mixture-of-experts layer's experts: routed expert ``e`` to channels ``routed[e]`` (every
+    expert keeps as many), the shared expert to ``shared`` (current numbering); full widths stay as they are."""
+    device = adapter.experts(layer).down_proj.device
+    if len(routed[0]) < adapter.expert_width(layer):
+        adapter.slice_expert_channels(layer, torch.tensor(routed, dtype=torch.long, device=device))
+    if 0 < len(shared) < adapter.shared_width(layer):
+        adapter.slice_shared_channels(layer, torch.tensor(shared, dtype=torch.long, device=device))
+
+
 def drop_layers(model: nn.Module, adapter: HeadAdapter, drop: Iterable[int]) -> None:
     """Remove the blocks ``drop`` (current numbering) and renumber everything that indexes layers.
 

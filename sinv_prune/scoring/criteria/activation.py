@@ -106,6 +106,12 @@ class ActivationCriterion(Criterion):
     def _sites(self, adapter) -> list[tuple[nn.Module, int, int]]:
         """Per layer: the module whose input is read, its number of scored groups, and its input width."""
         if get_unit(self.unit) is MLP:
+            moe = [layer for layer in range(adapter.num_layers) if adapter.num_experts(layer)]
+            if moe:
+                raise ValueError(
+                    f"activation: layer {moe[0]} is a mixture-of-experts layer; activation scores dense MLP channels "
+                    "only: score the channels inside experts with magnitude or random"
+                )
             sizes = [adapter.intermediate_size(layer) for layer in range(adapter.num_layers)]
             return [(adapter.mlp_out(layer), n, n) for layer, n in enumerate(sizes)]
         layouts = [adapter.layout(layer) for layer in range(adapter.num_layers)]

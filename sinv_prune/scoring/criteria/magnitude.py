@@ -10,6 +10,7 @@ from sinv_prune.arch.base import linear_weight
 from sinv_prune.scoring.criteria.base import Criterion, Scores
 from sinv_prune.scoring.criteria.registry import register_criterion
 from sinv_prune.units import get_unit
+from sinv_prune.units.experts import EXPERTS
 from sinv_prune.units.mlp import MLP
 
 
@@ -24,7 +25,10 @@ class MagnitudeCriterion(Criterion):
 
     ``unit="mlp"``: channel ``j`` owns row ``j`` of every module feeding the channels
     (``adapter.mlp_in``: gate and up for gated MLPs) and column ``j`` of the down projection;
-    its score is the ``p``-norm of those weights together (biases excluded).
+    its score is the ``p``-norm of those weights together (biases excluded). On a mixture-of-experts
+    layer the channels are those inside its experts (see :mod:`sinv_prune.units.mlp`): routed expert
+    ``e``'s channel ``c`` owns its gate and up rows of ``gate_up_proj[e]`` and column ``c`` of
+    ``down_proj[e]``; the shared expert's channels score like a dense MLP's.
 
     ``unit="experts"``: the ``p``-norm of the routed expert's own weights (its gate, up and down
     projections, biases excluded; the router's row for it is left out, as it scores how often the expert is
@@ -47,7 +51,7 @@ class MagnitudeCriterion(Criterion):
         adapter = get_adapter(model)
         if get_unit(self.unit) is MLP:
             return [_channel_scores(adapter, layer, self.p) for layer in range(adapter.num_layers)]
-        if self.unit == "experts":
+        if get_unit(self.unit) is EXPERTS:
             return [_expert_scores(adapter, layer, self.p) for layer in range(adapter.num_layers)]
         out = []
         with torch.no_grad():
@@ -73,11 +77,33 @@ def _layer_scores(w, heads: int, group: int, head_dim: int, p: float) -> list[fl
 
 
 def _channel_scores(adapter, layer: int, p: float) -> list[float]:
-    """``||rows j of mlp_in, column j of mlp_out||_p`` per channel ``j``."""
-    down = linear_weight(adapter.mlp_out(layer)).detach()  # [D, I]
+    """``||rows j of mlp_in, column j of mlp_out||_p`` per channel ``j``; a MoE layer's expert channels
+    expert-major, then its shared expert's."""
+    if adapter.num_experts(layer):
+        return _expert_channel_scores(adapter, layer, p)
+    return _dense_scores(adapter.mlp_in(layer), adapter.mlp_out(layer), p)
+
+
+def _expert_channel_scores(adapter, layer: int, p: float) -> list[float]:
+    """Channel ``c`` of routed expert ``e``: ``||W_gate^e[c], W_up^e[c], W_down^e[:, c]||_p`` (``expert_weights``,
+    biases excluded), expert-major; then the shared expert's channels."""
+    with torch.no_grad():
+        gate, up, down = (w.detach() for w in adapter.expert_weights(layer))  # [E, I, H], [E, I, H], [E, H, I]
+        dtype = torch.float64 if gate.dtype == torch.float64 else torch.float32
+        total = sum(w.to(gate.device, dtype).abs().pow(p).sum(2) for w in (gate, up))
+        total = total + down.to(gate.device, dtype).abs().pow(p).sum(1)  # [E, I]
+        out = [float(x) for x in total.pow(1 / p).flatten().double().cpu()]
+    shared = adapter.shared_expert(layer)
+    if shared is not None:
+        out += _dense_scores([shared.gate_proj, shared.up_proj], shared.down_proj, p)
+    return out
+
+
+def _dense_scores(inputs, output, p: float) -> list[float]:
+    down = linear_weight(output).detach()  # [D, I]
     dtype = torch.float64 if down.dtype == torch.float64 else torch.float32
     total = down.to(dtype).abs().pow(p).sum(0)
-    for module in adapter.mlp_in(layer):
+    for module in inputs:
         total = total + linear_weight(module).detach().to(total.device, dtype).abs().pow(p).sum(1)
     return [float(x) for x in total.pow(1 / p).double().cpu()]
 

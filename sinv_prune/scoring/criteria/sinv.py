@@ -24,6 +24,8 @@ from sinv_prune.scoring.criteria.base import Criterion, Scores, TraceLike, head_
 from sinv_prune.scoring.criteria.registry import register_criterion
 from sinv_prune.scoring.trace import read_trace
 from sinv_prune.surgery.record import get_record
+from sinv_prune.units import get_unit
+from sinv_prune.units.experts import EXPERTS
 
 #: The measure each unit is scored by when ``measure`` is not given.
 DEFAULT_MEASURES = {"heads": "C_Q", "experts": "C_FF_experts"}
@@ -37,7 +39,7 @@ def _measure_key(criterion: Criterion, measure: str | None) -> str:
 
     if measure is None:
         return DEFAULT_MEASURES[criterion.unit]
-    experts = criterion.unit == "experts"
+    experts = get_unit(criterion.unit) is EXPERTS
     if (measure not in EXPERT_KEYS) if experts else (measure in EXPERT_KEYS + PER_LAYER_KEYS):
         want = "C_FF_experts" if experts else "a per-head measure (C_Q, C_V, C_QK_gauge)"
         raise ValueError(f"{criterion.name}: unit {criterion.unit!r} is scored by {want}, not {measure!r}")
@@ -227,7 +229,7 @@ def _when(record: dict) -> dict:
 
 def _align(values: list[list[float]], model: nn.Module, measure: str, unit: str = "heads") -> list[list[float]]:
     """A trace record's per-head (or per-expert) values in the model's current numbering."""
-    if unit == "experts":
+    if get_unit(unit) is EXPERTS:
         return _align_experts(values, model, measure)
     counts = head_counts(model)
     shape = [len(layer) for layer in values]
