@@ -273,7 +273,7 @@ def test_rounds_errors_before_any_change():
 
 
 def test_part_checks_its_settings():
-    with pytest.raises(ValueError, match="unknown unit 'neurons'; choose one of heads, mlp, layers"):
+    with pytest.raises(ValueError, match="unknown unit 'neurons'; choose one of heads, mlp, experts, layers"):
         Part("neurons", "random", 1)
     with pytest.raises(ValueError, match="criterion 'entropy' does not score 'mlp'; it scores: heads"):
         Part("mlp", "entropy", 1)
