@@ -188,6 +188,17 @@ def run(recipe, output, overrides, dry_run, overwrite, resume, device, quiet, ve
     )
 
 
+def _experts_text(recipe) -> str:
+    """``", 64 experts in 4 MoE layers (top-2)"`` for a mixture-of-experts starting model, else ``""``."""
+    from sinv_prune.pipeline.starting_model import meta_adapter
+
+    adapter = meta_adapter(recipe)
+    counts = [n for n in (adapter.num_experts(i) for i in range(adapter.num_layers)) if n]
+    if not counts:
+        return ""
+    return f", {sum(counts)} experts in {len(counts)} MoE layers (top-{adapter.top_k()})"
+
+
 def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str | None = "auto") -> None:
     import time
 
@@ -201,9 +212,10 @@ def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str
         raise UsageError(str(err)) from None
     config_s = time.perf_counter() - start
     heads = sum(lay.num_heads for lay in layouts)
+    experts = _experts_text(recipe)
     stages = [s for s in STAGES if s in ("score", "prune", "evaluate", "report") or getattr(recipe, s, None)]
     click.echo(f"recipe {recipe.name!r} is valid; output: {output}")
-    click.echo(f"model: {len(layouts)} layers, {heads} heads; stages: {' -> '.join(stages)}")
+    click.echo(f"model: {len(layouts)} layers, {heads} heads{experts}; stages: {' -> '.join(stages)}")
     for name in ("train", "finetune"):
         spec = getattr(recipe, name)
         if spec is not None:  # with the optimizer's defaults filled in

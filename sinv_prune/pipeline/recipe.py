@@ -36,9 +36,16 @@ SCRATCH_ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "bert": ("BertConfig", "BertForMaskedLM"),
     "roberta": ("RobertaConfig", "RobertaForMaskedLM"),
 }
+#: The mixture-of-experts ones: built with ``output_router_logits: true`` unless ``model.config`` says otherwise,
+#: so that training from scratch minimises the routers' load-balancing loss too (``router_aux_loss_coef``).
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 #: ``model.attn_implementation`` values transformers knows (a Hub kernel, ``org/name``, passes through too).
 ATTN_IMPLEMENTATIONS = (
@@ -78,6 +85,11 @@ class ModelSpec(Strict):
     (``path`` only): accelerate's placement (``auto``, a device, or ``{module: device}``) for a
     model larger than one device; surgery keeps each weight on its device. ``attn_implementation``:
     ``eager``, ``sdpa``, ``flash_attention_2``, ... (omitted: transformers' default).
+
+    Mixture-of-experts architectures (``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe``) built from
+    scratch get ``output_router_logits: true`` unless ``config`` sets it: the training loss then adds
+    ``router_aux_loss_coef`` times the routers' load-balancing loss (transformers' own), so that the
+    routers spread tokens over the experts.
     """
 
     architecture: str | None = None

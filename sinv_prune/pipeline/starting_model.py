@@ -18,7 +18,7 @@ from torch import nn
 
 from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import HeadAdapter
-from sinv_prune.pipeline.recipe import SCRATCH_ARCHITECTURES, Recipe, RecipeError, first_line
+from sinv_prune.pipeline.recipe import MOE_ARCHITECTURES, SCRATCH_ARCHITECTURES, Recipe, RecipeError, first_line
 
 
 def is_masked_lm(model: nn.Module) -> bool:
@@ -36,8 +36,13 @@ def scratch_config(recipe: Recipe, vocab_size: int | None = None, tokenizer=None
                 extra[key] = value
     if vocab_size is not None:
         extra["vocab_size"] = vocab_size
+    defaults = {}
+    if recipe.model.architecture in MOE_ARCHITECTURES:
+        # Trained from scratch, routers need the load-balancing loss (config.router_aux_loss_coef x the
+        # Switch-style aux loss, added to the LM loss the Trainer minimises) or a few experts take every token.
+        defaults["output_router_logits"] = True
     try:
-        return getattr(transformers, config_name)(**{**recipe.model.config, **extra})
+        return getattr(transformers, config_name)(**{**defaults, **recipe.model.config, **extra})
     except (TypeError, ValueError) as err:
         raise RecipeError(f"model.config: {' '.join(str(err).split())}") from None
 

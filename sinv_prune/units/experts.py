@@ -9,6 +9,7 @@ then run over the kept experts, which is what the sliced router computes). A lay
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,9 +89,12 @@ class ExpertsUnit(Unit):
             raise ValueError(f"{kind} has no mixture-of-experts layers: there are no experts to remove")
         keep = self._floor(adapter, options.get("min_per_layer"))
         most = sum(counts) - keep * len(counts)
-        if isinstance(amount, int) and amount > most:
+        # a fraction is of every expert, rounded half up, as the selection counts it
+        wanted = math.floor(amount * sum(counts) + 0.5) if isinstance(amount, float) else amount
+        if isinstance(wanted, int) and wanted > most:
+            asked = f"{amount:g} of the experts ({wanted})" if isinstance(amount, float) else f"{amount} experts"
             raise ValueError(
-                f"{amount} experts requested, at most {most} can go ({sum(counts)} in {len(counts)} MoE layers, "
+                f"{asked} requested, at most {most} can go ({sum(counts)} in {len(counts)} MoE layers, "
                 f"{keep} kept per layer: num_experts_per_tok or min_experts_per_layer)"
             )
 
