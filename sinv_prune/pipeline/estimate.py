@@ -82,6 +82,7 @@ class Probe:
     copy_bps: float
     trainer_import_s: float  # importing transformers' Trainer (once per run)
     seconds: float = 0.0
+    moe: bool = False  # routed experts: evaluation also counts their selections (one more pass per model)
 
 
 # -- the probe ----------------------------------------------------------------------------------
@@ -100,6 +101,8 @@ def run_probe(recipe: Recipe, device: str, config_s: float = 0.0) -> Probe:
 
 
 def _probe(recipe: Recipe, device: str, config_s: float) -> Probe:
+    from sinv_prune.pipeline.routing import is_moe
+
     start = time.perf_counter()
     model, build_s = _stand_in(recipe, device)
     vocab = model.get_input_embeddings().num_embeddings
@@ -135,6 +138,7 @@ def _probe(recipe: Recipe, device: str, config_s: float) -> Probe:
         copy_bps=copy_bps,
         trainer_import_s=trainer_import_s,
         seconds=time.perf_counter() - start,
+        moe=is_moe(model),
     )
 
 
@@ -503,19 +507,24 @@ def _score_seconds(name: str, recipe: Recipe, probe: Probe, tokens: dict[str, in
 
 
 def _evaluate_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:
-    """Baseline and every arm (pruned, and fine-tuned if the recipe fine-tunes): perplexity and speed."""
+    """Baseline and every arm (pruned, and fine-tuned if the recipe fine-tunes): perplexity and speed (and a
+    mixture-of-experts model's routing statistics)."""
     spec, data = recipe.evaluate, recipe.data
     split = "test" if "test" in tokens else "valid"
     n = min(tokens.get(split, data.max_eval_tokens or 0), data.max_eval_tokens or math.inf)
     stride = data.eval_stride or data.seq_len
     windows = math.ceil(max(n - data.seq_len, 0) / stride) + 1
     eval_s = math.ceil(windows / spec.window_batch_size) * probe.forward(spec.window_batch_size * data.seq_len)
+    if probe.moe:  # the routing statistics: non-overlapping windows over the same tokens
+        blocks = max(n // data.seq_len, 1)
+        eval_s += math.ceil(blocks / spec.window_batch_size) * probe.forward(spec.window_batch_size * data.seq_len)
     if spec.speed:
         speed_tokens = spec.speed_batch_size * (spec.speed_seq_len or data.seq_len)
         eval_s += 2 * (3 + spec.speed_repeats) * probe.forward(speed_tokens)  # warm-up + repeats, two models
     arms = len(recipe.prune.arms) * (2 if recipe.finetune is not None else 1)
     load = probe.build_s + probe.param_bytes / probe.read_bps
     what = f"{1 + arms} models x {windows} windows of {data.seq_len} tokens" + (" + speed" if spec.speed else "")
+    what += " + expert routing" if probe.moe else ""
     return Row("evaluate", (1 + arms) * eval_s + arms * load, what)
 
 

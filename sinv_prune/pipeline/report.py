@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from sinv_prune.pipeline.recipe import Recipe
+from sinv_prune.pipeline.report_routing import plot_routing, routing_lines
 from sinv_prune.pipeline.report_tasks import generation_lines, plot_accuracy_vs_params, task_lines
 from sinv_prune.pipeline.rundir import write_json, write_text
 from sinv_prune.strict_json import with_null_reasons
@@ -27,6 +28,9 @@ def write_report(root: Path, results: dict, recipe: Recipe, *, plots: bool = Tru
 
             figures += [Path(p) for p in plot_trace(trace, root / "plots").values()]
             results["trace_summary"] = summarize_trace(trace)
+        routing = plot_routing(results, root / "plots")  # MoE runs: linked from the routing table, not inlined
+        if routing:
+            results["routing_plots"] = {name: str(p.relative_to(root)) for name, p in routing.items()}
     results["plots"] = [str(p.relative_to(root)) for p in figures]
     write_json(root / "results.json", with_null_reasons(results))
     write_text(root / "report.md", markdown_report(results, recipe))
@@ -249,6 +253,8 @@ def markdown_report(results: dict, recipe: Recipe) -> str:
     if results.get("trace_summary"):
         summary = results["trace_summary"]
         lines += ["", "## Convergence trace", "", "```", _short(summary), "```"]
+    routing = routing_lines(results, results.get("routing_plots", {}))
+    lines += ["", *routing] if routing else []
     lines += gguf_section(results.get("gguf"))
     for plot in results.get("plots", []):
         lines += ["", f"![{Path(plot).stem}]({plot})"]

@@ -47,6 +47,7 @@ from sinv_prune.pipeline.preflight import preflight
 from sinv_prune.pipeline.ranks import Ranks
 from sinv_prune.pipeline.recipe import DEFAULT_UNIT, ArmSpec, PartSpec, Recipe, recipe_to_yaml
 from sinv_prune.pipeline.report import removed_text, write_report
+from sinv_prune.pipeline.routing import routing_statistics
 from sinv_prune.pipeline.rundir import RunDir, write_dir, write_json, write_text
 from sinv_prune.pipeline.starting_model import build_model, is_masked_lm
 from sinv_prune.pipeline.tasks import model_tasks
@@ -608,7 +609,9 @@ def _task(model) -> str:
 
 
 def evaluate_model(run: Run, model, label: str, *, offload: bool = False) -> dict:
-    """Perplexity (or MLM loss), parameter counts and speed of one model.
+    """Perplexity (or MLM loss), parameter counts and speed of one model; for a mixture-of-experts
+    causal LM also ``routing``, each expert's share of the router's choices on the evaluation text
+    (:mod:`sinv_prune.pipeline.routing`).
 
     ``offload``: the base model waits on the CPU, and the speed comparison moves the two models
     to the device in turn (they do not fit there together).
@@ -641,6 +644,11 @@ def evaluate_model(run: Run, model, label: str, *, offload: bool = False) -> dic
             progress=not run.quiet,
         )
         out.update(perplexity=res["perplexity"], nll=res["nll"], eval=res)
+        routing = routing_statistics(
+            model, ids, seq_len=data.seq_len, batch_size=spec.window_batch_size, max_tokens=data.max_eval_tokens
+        )
+        if routing is not None:  # a mixture-of-experts model: how often each expert is chosen (original numbering)
+            out["routing"] = routing
     out.update(model_tasks(run.recipe, run.root, run.tokenizer, model, masked_lm=is_masked_lm(model), label=label))
     if spec.speed:
         # Interleaved with the baseline in one process, so machine load hits both alike.
