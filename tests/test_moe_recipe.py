@@ -167,3 +167,28 @@ def test_routing_statistics_use_the_original_numbering_after_layers_and_experts_
     assert after["layers"]["2"]["counts"][0] == after["layers"]["2"]["counts"][7] == 0
     assert after["layers"]["0"] == before["layers"]["0"]  # the first layer's routing does not change
     assert before["tokens"] == after["tokens"] == 120
+
+
+def test_the_shipped_moe_recipe_passes_preflight():
+    from sinv_prune.pipeline.preflight import preflight
+    from sinv_prune.pipeline.recipe import builtin_recipes, load_recipe
+    from sinv_prune.scoring.criteria import criterion_class
+
+    path = builtin_recipes()["moe-quickstart"]
+    if not (path.parent / "../../shared/data/wikitext-2/test.txt").is_file():
+        pytest.skip("WikiText-2 is not in ../shared/data")
+    arms = "[{criterion: random, unit: experts, amount: 0.25}, {criterion: random, unit: experts, amount: 0.5}]"
+    preflight(load_recipe(path, [f"prune.arms={arms}"]))  # data files, model config, amounts, tracking
+    recipe = load_recipe(path)
+    names = sorted({p.criterion for arm in recipe.prune.arms for p in arm.part_specs})
+    assert names == ["ean", "frequency", "magnitude", "random", "reap", "sinv_early", "sinv_static"]
+    missing = []
+    for name in names:
+        try:
+            if "experts" not in criterion_class(name).units:
+                missing.append(name)
+        except (KeyError, ValueError):
+            missing.append(name)
+    if missing:
+        pytest.skip(f"criteria that do not score experts in this checkout: {missing}")
+    preflight(recipe)
