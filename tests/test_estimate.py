@@ -120,7 +120,7 @@ SMALL_RUN = {
 
 
 @pytest.mark.slow
-def test_dry_run_estimate_is_within_1_5x_of_the_real_run(tmp_path, monkeypatch):
+def test_dry_run_estimate_is_near_the_real_run(tmp_path, monkeypatch):
     """The probe against the run it estimates, both here and now (so machine load hits both).
 
     Before the probe sized the LM head by the trained tokenizer's vocabulary (444 words in the
@@ -164,5 +164,10 @@ def test_dry_run_estimate_is_within_1_5x_of_the_real_run(tmp_path, monkeypatch):
     # The target is 1.5x (met by hand on the quickstart, 0.69-0.94, and a shrunk SmolLM2 recipe, 0.79).
     # On this tiny recipe every stage lasts seconds, the real run follows the probe in the same warm
     # process, and a fresh-clone CI run measured 1.50 (total) and 1.64 (fine-tune, 5.4 s vs 3.3 s): a
-    # timed test cannot hold 1.5x here without flaking. 2x still fails the old probe (2.6x).
-    assert all(1 / 2 <= r <= 2 for r in ratios.values()), {k: (round(e, 1), round(m, 1)) for k, (e, m) in pairs.items()}
+    # timed test cannot hold 1.5x here without flaking. An idle run on 2026-12-02 measured 2.8x on the
+    # fine-tune alone (5.1 s vs 1.8 s) and 2.1x in total, on the code before and after that day's work:
+    # a stage of two seconds is mostly fixed cost. So the total keeps a bound the old probe (2.6x) fails
+    # and each stage gets 3x; the real accuracy is recorded per shipped recipe (--dry-run vs wall time).
+    shown = {k: (round(e, 1), round(m, 1)) for k, (e, m) in pairs.items()}
+    assert 1 / 2.5 <= ratios["total"] <= 2.5, shown
+    assert all(1 / 3 <= r <= 3 for r in ratios.values()), shown

@@ -33,8 +33,8 @@ from transformers.models.auto import modeling_auto
 
 from sinv_prune.arch import HeadAdapter
 from sinv_prune.surgery.keep_tokenizer import remember_tokenizer, tokenizer_source
+from sinv_prune.surgery.rebuild import apply_record
 from sinv_prune.surgery.record import PruningRecord, get_record
-from sinv_prune.surgery.shapes import apply_record
 from sinv_prune.symmetry import restore_symmetry_breaking
 from sinv_prune.units import units
 

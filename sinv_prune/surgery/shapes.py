@@ -1,8 +1,8 @@
 """Shape changes shared by surgery and checkpoint loading: slice heads and channels, drop blocks.
 
-:func:`~sinv_prune.prune` calls these on a live model; :func:`apply_record` calls them on a
-freshly built one (original head and MLP sizes, the current layer count) to rebuild the pruned
-shapes before the weights load. Both import this module, neither imports the other.
+:func:`~sinv_prune.prune` calls these on a live model (through the units); the units' ``rebuild``
+(:mod:`sinv_prune.surgery.rebuild`) calls them on a freshly built one to rebuild the pruned shapes
+before the weights load.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from sinv_prune.arch import HeadAdapter, get_adapter
-from sinv_prune.surgery.record import PruningRecord
+from sinv_prune.arch import HeadAdapter
 
 
 def apply_layer(adapter: HeadAdapter, layer: int, keep_q: list[int], keep_kv: list[int]) -> None:
@@ -69,19 +68,3 @@ def drop_layers(model: nn.Module, adapter: HeadAdapter, drop: Iterable[int]) -> 
     if types is not None:
         config.layer_types = [t for i, t in enumerate(types) if i not in gone]
     config.num_hidden_layers = len(kept)
-
-
-def apply_record(model: nn.Module, record: PruningRecord) -> None:
-    """Slice a freshly built model (original head and MLP sizes, current layer count) to ``record``'s shapes."""
-    adapter = get_adapter(model)
-    kept_layers = record.kept_layers()
-    if adapter.num_layers != len(kept_layers):
-        raise ValueError(
-            f"the config builds {adapter.num_layers} layers but the pruning record keeps {len(kept_layers)} "
-            f"of {record.num_layers}"
-        )
-    from sinv_prune.units import units  # the units import this module
-
-    for current, original in enumerate(kept_layers):
-        for unit in units():
-            unit.rebuild(adapter, current, original, record)

@@ -173,8 +173,9 @@ def plan_removal(
         raise ValueError(f"heads must map layer index -> head indices, got {type(heads).__name__}")
     plan = {}
     for layer, removed in per_layer(adapter, heads, "", "head"):
-        if removed and adapter.heads_refusal:
-            raise ValueError(f"layer {layer}: heads cannot be removed: {adapter.heads_refusal}")
+        refusal = getattr(adapter, "heads_refusal", None)  # adapters only; plain layouts (tests) have none
+        if removed and refusal:
+            raise ValueError(f"layer {layer}: heads cannot be removed: {refusal}")
         layout = adapter.layout(layer)
         bad = [h for h in removed if not 0 <= h < layout.num_heads]
         if bad:
