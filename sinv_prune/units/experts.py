@@ -98,14 +98,6 @@ class ExpertsUnit(Unit):
                 f"{keep} kept per layer: num_experts_per_tok or min_experts_per_layer)"
             )
 
-    def select_round(self, model, part, scores, share, remaining, kept, start_sizes):
-        for request in (share, remaining):
-            try:
-                return self.select(model, part, scores, request, kept, False)
-            except ValueError:
-                continue
-        return {}
-
     @staticmethod
     def _floor(adapter: HeadAdapter, min_per_layer: int | None) -> int:
         top_k = adapter.top_k() if hasattr(adapter, "top_k") else 1
