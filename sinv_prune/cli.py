@@ -193,7 +193,7 @@ def _experts_text(recipe) -> str:
     from sinv_prune.pipeline.starting_model import meta_adapter
 
     adapter = meta_adapter(recipe)
-    counts = [n for n in (adapter.num_experts(i) for i in range(adapter.num_layers)) if n]
+    counts = adapter.expert_counts()
     if not counts:
         return ""
     return f", {sum(counts)} experts in {len(counts)} MoE layers (top-{adapter.top_k()})"

@@ -175,6 +175,10 @@ class HeadAdapter:
         """Current number of routed experts of ``layer`` (0 for a dense layer)."""
         return 0
 
+    def expert_counts(self) -> list[int]:
+        """The routed-expert count of every mixture-of-experts layer, in order (empty for a dense model)."""
+        return [n for n in (self.num_experts(i) for i in range(self.num_layers)) if n]
+
     def slice_heads(self, layer: int, keep_q: torch.Tensor, keep_kv: torch.Tensor) -> None:
         """Physically keep only query heads ``keep_q`` and KV heads ``keep_kv``."""
         raise NotImplementedError

@@ -33,8 +33,6 @@ class MoeAdapter(LlamaAdapter):
     config_expert_width_key: ClassVar[str] = "moe_intermediate_size"
     #: Config attribute holding the shared expert's width (Qwen2-MoE), None where MoE layers have none.
     config_shared_width_key: ClassVar[str | None] = None
-    #: What a layer's router does with the top-k weights, for messages and docs.
-    routing: ClassVar[str] = "softmax over the experts, top-k"
 
     def moe_block(self, layer: int) -> nn.Module | None:
         mlp = self.base.layers[layer].mlp

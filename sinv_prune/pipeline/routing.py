@@ -29,8 +29,7 @@ from sinv_prune.surgery.record import get_record
 
 def is_moe(model: nn.Module) -> bool:
     """Whether the model has routed experts in some layer."""
-    adapter = get_adapter(model)
-    return any(adapter.num_experts(i) for i in range(adapter.num_layers))
+    return bool(get_adapter(model).expert_counts())
 
 
 def routing_statistics(

@@ -455,7 +455,7 @@ def _fresh_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
 
 def _uniform_experts(adapter: HeadAdapter) -> int | None:
     """The MoE layers' one routed-expert count (None: a dense model)."""
-    counts = {adapter.num_experts(i) for i in range(adapter.num_layers)} - {0}
+    counts = set(adapter.expert_counts())
     if len(counts) > 1:
         raise ValueError("model has different expert counts per layer but no sinv_prune record of them in its config")
     return next(iter(counts), None)

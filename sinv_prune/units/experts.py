@@ -83,7 +83,7 @@ class ExpertsUnit(Unit):
         return {moe[i]: experts for i, experts in chosen.items()}
 
     def check_amount(self, adapter, amount, options) -> None:
-        counts = [n for n in (adapter.num_experts(i) for i in range(adapter.num_layers)) if n]
+        counts = adapter.expert_counts()
         if not counts:
             kind = adapter.model.config.model_type
             raise ValueError(f"{kind} has no mixture-of-experts layers: there are no experts to remove")
@@ -149,7 +149,7 @@ class ExpertsUnit(Unit):
     # -- reload routes ------------------------------------------------------------------------------
 
     def stock_refusal(self, adapter: HeadAdapter, record: PruningRecord) -> str | None:
-        counts = _moe_counts(adapter)
+        counts = adapter.expert_counts()
         if record.pruned_experts and len(set(counts)) > 1:
             return (
                 "MoE layers keep different expert counts, which stock classes (and vLLM and llama.cpp, which read "
@@ -161,7 +161,7 @@ class ExpertsUnit(Unit):
         """Set the config's expert count: the kept count on the stock route, the original on the remote-code one."""
         if adapter.config_experts_key is None or record.num_experts is None:
             return
-        counts = _moe_counts(adapter)
+        counts = adapter.expert_counts()
         count = counts[0] if stock and counts else record.num_experts
         setattr(model.config, adapter.config_experts_key, count)
         if isinstance(getattr(model, "num_experts", None), int):  # *ForCausalLM's load-balancing loss reads it
@@ -201,10 +201,6 @@ class ExpertChange:
     removed: list[int]
     removed_original: list[int]
     kept: int
-
-
-def _moe_counts(adapter: HeadAdapter) -> list[int]:
-    return [n for n in (adapter.num_experts(i) for i in range(adapter.num_layers)) if n]
 
 
 def apply_experts(adapter: HeadAdapter, layer: int, keep: list[int]) -> None:

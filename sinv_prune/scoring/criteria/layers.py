@@ -130,7 +130,7 @@ class SinvDepthCriterion(Criterion):
     def scores(self, model: nn.Module) -> list[float]:
         from sinv_prune.scoring.measures import head_measures
 
-        has_experts = any(get_adapter(model).num_experts(i) for i in range(get_adapter(model).num_layers))
+        has_experts = bool(get_adapter(model).expert_counts())
         values = head_measures(model, keys=["C_Q", "C_FF", *(["C_FF_experts"] if has_experts else [])])
         experts = values.get("C_FF_experts") or [[] for _ in values["C_FF"]]
         every = [float(v) for row in values["C_Q"] for v in row]
