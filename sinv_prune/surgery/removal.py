@@ -19,7 +19,7 @@ from sinv_prune.units import get_unit, unit_names, units
 from sinv_prune.units.experts import ExpertChange
 from sinv_prune.units.heads import LayerChange, plan_removal
 from sinv_prune.units.layers import plan_layers
-from sinv_prune.units.mlp import MlpChange, plan_channels
+from sinv_prune.units.mlp import MlpChange, expert_widths, plan_channels
 
 __all__ = [
     "LayerChange",
@@ -463,9 +463,7 @@ def _uniform_experts(adapter: HeadAdapter) -> int | None:
 
 def _uniform_expert_widths(adapter: HeadAdapter) -> tuple[int | None, int | None]:
     """The MoE layers' one routed-expert width and one shared-expert width (None: none of either)."""
-    moe = [i for i in range(adapter.num_layers) if adapter.num_experts(i)]
-    widths = {adapter.expert_width(i) for i in moe}
-    shared = {adapter.shared_width(i) for i in moe} - {0}
+    widths, shared = expert_widths(adapter)
     if len(widths) > 1 or len(shared) > 1:
         raise ValueError("model has different expert widths per layer but no sinv_prune record of them in its config")
     return next(iter(widths), None), next(iter(shared), None)
