@@ -5,8 +5,14 @@ removing the columns ``S`` of one unit and letting the others absorb it optimall
 ``tr(W_S (H^-1_SS)^-1 W_S^T)`` in squared output error; the others then move by
 ``-W_S (H^-1_SS)^-1 H^-1_S:`` and the inverse loses ``S`` by the same Schur step. Greedy: remove the
 cheapest unit, update ``W`` and ``H^-1``, repeat until every group has lost its quota. A unit is
-``width`` consecutive columns (a head: ``head_dim``; a channel: 1). Memory: two ``in x in`` float64
-matrices plus ``W``; time: one inverse plus ``in^2`` per removed unit.
+``width`` consecutive columns (a head: ``head_dim``; a whole KV group: ``group_size x head_dim``; a
+channel: 1). Memory: two ``in x in`` float64 matrices plus ``W``; time: one inverse plus ``in^2`` per
+removed unit.
+
+The constrained optima are nested, so the running sum of the chosen saliencies after ``k`` removals
+is exactly the error of the best refit of the kept columns on the damped Gram ``H + lambda I``:
+``min_V ||X (W - V)^T||^2 + lambda ||W - V||^2`` with ``V`` zero on the removed columns
+(:func:`obs_order` returns it, a damage measure).
 """
 
 from __future__ import annotations
@@ -20,32 +26,51 @@ import torch
 DAMP = 0.001
 
 
-def obs_select(
-    gram: torch.Tensor, weight: torch.Tensor, width: int, quotas: Sequence[tuple[Sequence[int], int]]
-) -> list[int]:
-    """The units to remove, cheapest first by OBS: from each group ``(units, count)`` exactly ``count``.
-
-    ``gram`` is ``[in, in]`` over the consumer's inputs (``in = units x width``), ``weight`` ``[out, in]``.
-    """
-    units = gram.shape[0] // width
+def damped(gram: torch.Tensor) -> torch.Tensor:
+    """``gram`` in float64 plus the dampening OBS uses (:data:`DAMP` x its mean diagonal) on the diagonal."""
     h = gram.double().clone()
     h.diagonal().add_(DAMP * h.diagonal().mean().clamp_min(1e-12))
-    hinv = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    w = weight.detach().double().clone()
+    return h
+
+
+def obs_order(
+    gram: torch.Tensor,
+    weight: torch.Tensor,
+    width: int,
+    quotas: Sequence[tuple[Sequence[int], int]] | None,
+    count: int,
+) -> tuple[list[int], list[float]]:
+    """The first ``count`` units greedy OBS removes, in order, and the cumulative squared output error after each.
+
+    ``gram`` is ``[in, in]`` over the consumer's inputs (``in = units x width``), ``weight`` ``[out, in]``.
+    ``quotas`` lists groups ``(units, most)``: a group loses at most ``most`` units and units in no group
+    are never removed; None: any unit may go. ``costs[k]`` is the squared error (on the damped Gram,
+    see the module docstring) of the best refit after removing ``units[: k + 1]``.
+    """
+    units = gram.shape[0] // width
     device = gram.device
+    if quotas is None:
+        quotas = [(range(units), units)]
     group_of = torch.full((units,), -1, dtype=torch.long, device=device)
     left = []
-    for g, (members, count) in enumerate(quotas):
+    for g, (members, most) in enumerate(quotas):
         group_of[list(members)] = g
-        left.append(count)
+        left.append(most)
+    if not 0 <= count <= sum(left):
+        raise ValueError(f"cannot remove {count} units: the quotas allow {sum(left)} of {units}")
+    hinv = torch.cholesky_inverse(torch.linalg.cholesky(damped(gram)))
+    w = weight.detach().double().clone()
     alive = torch.ones(units, dtype=torch.bool, device=device)
     removed: list[int] = []
-    for _ in range(sum(left)):
+    costs: list[float] = []
+    total = 0.0
+    for _ in range(count):
         open_groups = torch.tensor([n > 0 for n in left] + [False], device=device)
         allowed = alive & open_groups[group_of]  # group -1 (no quota) indexes the final False
         cost = _costs(hinv, w, width, alive)
         cost[~allowed] = float("inf")
         unit = int(cost.argmin())
+        total += float(cost[unit])
         s = slice(unit * width, (unit + 1) * width)
         block_inv = torch.linalg.pinv(hinv[s, s], hermitian=True)
         step = block_inv @ hinv[s, :]
@@ -55,7 +80,18 @@ def obs_select(
         alive[unit] = False
         left[int(group_of[unit])] -= 1
         removed.append(unit)
-    return sorted(removed)
+        costs.append(total)
+    return removed, costs
+
+
+def obs_select(
+    gram: torch.Tensor, weight: torch.Tensor, width: int, quotas: Sequence[tuple[Sequence[int], int]]
+) -> list[int]:
+    """The units to remove, cheapest first by OBS: from each group ``(units, count)`` exactly ``count`` (sorted).
+
+    ``gram`` is ``[in, in]`` over the consumer's inputs (``in = units x width``), ``weight`` ``[out, in]``.
+    """
+    return sorted(obs_order(gram, weight, width, quotas, sum(count for _, count in quotas))[0])
 
 
 def _costs(hinv: torch.Tensor, w: torch.Tensor, width: int, alive: torch.Tensor) -> torch.Tensor:
