@@ -9,8 +9,9 @@
   consumer is refitted (:class:`~sinv_prune.surgery.refit.ConsumerFit`) so ``[X 1][W b]^T`` reproduces
   ``Y``. Each block is thus fitted on the inputs it will really see.
 * ``"obs"``: as ``lsq``, but which units go inside each layer (as many as the plan says, per KV
-  group for heads under GQA) is chosen first by greedy OBS on the student's inputs
-  (:func:`~sinv_prune.surgery.obs.obs_select`); the plan and the record follow that choice.
+  group for heads under GQA; which whole KV groups, where the plan empties whole groups only) is
+  chosen first by greedy OBS on the student's inputs (:func:`~sinv_prune.surgery.obs.obs_select`);
+  the plan and the record follow that choice.
 * ``"bias"`` (FLAP): the removed units' mean contribution on the unpruned model,
   ``W[:, removed] @ mean(X_removed)``, is added to the consumer's bias.
 
