@@ -389,24 +389,39 @@ def _statistics(index, block, cut, target, student, inputs, product_dtype, bias)
 
 
 def _choose(fit: ConsumerFit, held: ConsumerFit, cut: Cut, target: _Target, weight, plain: tuple, options: _Options):
-    """``(ridge, (weight, bias), held-out error of plain, of the choice)``: the refit, or ``plain`` where
-    the held-out tokens prefer it. Without held-out tokens: the refit at the given or default ridge.
-
-    With no ridge given, the ridges of :data:`RIDGES` are walked from the one nearest
-    :func:`default_ridge` towards lower held-out error until it rises (usually 3-4 solves, not 6).
-    """
+    """``(ridge, (weight, bias), held-out error of plain, of the choice)`` for one consumer (:func:`walk_ridges`)."""
     if options.method == "bias":
         mean = target.removed_sum / max(target.count, 1)
         shifted = plain[1].double() + weight.index_select(1, cut.removed).double() @ mean
         solve = lambda r: (plain[0], shifted)  # noqa: E731
+        ridges: tuple[float, ...] = (0.0,)
     else:
         solve = lambda r: fit.solve(*plain, r)  # noqa: E731
-    if options.ridge is not None or options.method == "bias":
-        ridges = (options.ridge or 0.0,)
-    else:
-        ridges = RIDGES if options.guarded else (default_ridge(fit.tokens),)
-    if not options.guarded:
-        return ridges[0], solve(ridges[0]), None, None
+        ridges = (options.ridge,) if options.ridge is not None else RIDGES
+    return walk_ridges(solve, held if options.guarded else None, plain, fit.tokens, ridges)
+
+
+def guarded_refit(fit: ConsumerFit, held: ConsumerFit | None, plain: tuple, ridge: float | None = None):
+    """The least-squares refit of one consumer from its statistics, guarded by the held-out ones.
+
+    ``plain`` is the plainly pruned ``(weight, bias)`` over the kept columns. Returns ``(ridge, (weight,
+    bias), held-out error of plain, of the choice)``; ridge None where ``plain`` is kept (see :func:`walk_ridges`).
+    """
+    ridges = (ridge,) if ridge is not None else RIDGES
+    return walk_ridges(lambda r: fit.solve(*plain, r), held, plain, fit.tokens, ridges)
+
+
+def walk_ridges(solve, held: ConsumerFit | None, plain: tuple, tokens: int, ridges: tuple[float, ...]):
+    """``(ridge, (weight, bias), held-out error of plain, of the choice)``: the refit ``solve(ridge)``, or
+    ``plain`` where the held-out statistics ``held`` prefer it. Without ``held``: the refit at the one ridge
+    given, else at :func:`default_ridge`.
+
+    Several ridges are walked from the one nearest :func:`default_ridge` towards lower held-out error until
+    it rises (usually 3-4 solves, not 6).
+    """
+    if held is None:
+        r = ridges[0] if len(ridges) == 1 else default_ridge(tokens)
+        return r, solve(r), None, None
     scored: dict[int, tuple[float, tuple]] = {}
 
     def score(i: int) -> float:
@@ -415,7 +430,7 @@ def _choose(fit: ConsumerFit, held: ConsumerFit, cut: Cut, target: _Target, weig
             scored[i] = (held.relative_error(*candidate), candidate)
         return scored[i][0]
 
-    target_ridge = math.log(default_ridge(fit.tokens))
+    target_ridge = math.log(default_ridge(tokens))
     i = min(range(len(ridges)), key=lambda j: abs(math.log(max(ridges[j], 1e-30)) - target_ridge))
     while True:
         best = min((j for j in (i - 1, i, i + 1) if 0 <= j < len(ridges)), key=score)

@@ -84,6 +84,37 @@ def obs_order(
     return removed, costs
 
 
+def obs_channel_order(gram: torch.Tensor, weight: torch.Tensor, count: int, chunk: int = 1) -> list[list[int]]:
+    """Greedy OBS over single columns, ``chunk`` at a time: the column sets removed step by step (``count`` in all).
+
+    Each step removes the ``chunk`` columns of lowest saliency together (one joint Schur update of ``W`` and
+    ``H^-1``), so removing ``k`` chunks is the prefix of the first ``k`` steps: one pass serves every width a
+    layer may take. ``chunk = 1`` is :func:`obs_order` without quotas; MLP channels taken ``multiple`` at a time
+    cost ``multiple`` times fewer updates.
+    """
+    units = gram.shape[0]
+    if not 0 <= count <= units or chunk < 1:
+        raise ValueError(f"cannot remove {count} of {units} columns in chunks of {chunk}")
+    hinv = torch.cholesky_inverse(torch.linalg.cholesky(damped(gram)))
+    w = weight.detach().double().clone()
+    alive = torch.ones(units, dtype=torch.bool, device=gram.device)
+    steps: list[list[int]] = []
+    left = count
+    while left > 0:
+        cost = _costs(hinv, w, 1, alive)
+        cost[~alive] = float("inf")
+        take = min(chunk, left)
+        s = torch.topk(cost, take, largest=False).indices
+        step = torch.linalg.pinv(hinv[s][:, s], hermitian=True) @ hinv[s, :]
+        w -= w[:, s] @ step
+        hinv -= hinv[:, s] @ step
+        w[:, s] = 0
+        alive[s] = False
+        steps.append(sorted(int(i) for i in s))
+        left -= take
+    return steps
+
+
 def obs_select(
     gram: torch.Tensor, weight: torch.Tensor, width: int, quotas: Sequence[tuple[Sequence[int], int]]
 ) -> list[int]:
