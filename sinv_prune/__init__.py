@@ -11,6 +11,7 @@ from sinv_prune.scoring.measures import head_measures
 from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
 from sinv_prune.scoring.selection import select_heads
 from sinv_prune.scoring.selection_units import select_channels, select_layers
+from sinv_prune.shrink import ShrinkResult, shrink
 from sinv_prune.surgery.checkpoint import from_pretrained
 from sinv_prune.surgery.removal import PruneSummary, count_parameters, prune, prune_heads
 from sinv_prune.symmetry import ECD, add_symmetry_breaking, build_optimizer, restore_symmetry_breaking
@@ -51,6 +52,8 @@ __all__ = [
     "select_channels",
     "select_heads",
     "select_layers",
+    "shrink",
+    "ShrinkResult",
     "stop_rule",
     "summarize_trace",
     "supported_model_types",

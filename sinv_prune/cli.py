@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -428,6 +429,73 @@ def prune(
     )
     click.echo(str(summary))
     click.echo(f"saved to {output}" + ("" if tokenizer else " (no tokenizer found at the source)"))
+
+
+def parse_size(text: str) -> int:
+    """A parameter count: ``100M``, ``1.5B``, ``250k`` or plain digits."""
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+    t = text.strip().lower().replace("_", "").replace(",", "")
+    try:
+        value = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
+    except ValueError:
+        raise UsageError(f"--to {text!r}: not a size (write 100M, 1.5B, 250k or a number)") from None
+    if not math.isfinite(value) or value < 1:
+        raise UsageError(f"--to {text!r}: a size must be a positive number of parameters")
+    return int(value)
+
+
+@main.command()
+@click.argument("source")
+@click.argument("output", type=click.Path(path_type=Path))
+@click.option("--params", type=float, default=None, help="Share of the non-embedding parameters to remove (0-1).")
+@click.option("--to", "to", default=None, metavar="SIZE", help="Parameters to end with, in all: 100M, 1.5B, ...")
+@click.option(
+    "--calibration",
+    required=True,
+    metavar="TEXT",
+    help="Calibration text: a .txt file, a directory of them, or a datasets id (name[:config[:split]]).",
+)
+@click.option("--sequences", default=64, show_default=True, type=click.IntRange(2), help="Calibration sequences.")
+@click.option("--length", default=512, show_default=True, type=click.IntRange(2), help="Tokens per sequence.")
+@click.option("--stock", is_flag=True, help="Only shapes the stock class and vLLM load (uniform per unit).")
+@click.option("--units", default="layers,heads,mlp", show_default=True, help="Units the search may cut (mlp always).")
+@click.option("--budget", default=48, show_default=True, type=click.IntRange(1), help="Plans evaluated by the search.")
+@click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None, help="Stop searching after S s.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the search (same seed, same plan).")
+@click.option("--gguf", "gguf_type", default=None, type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m",
+              "q5_k_m", "q6_k"]), help="Also write OUTPUT/model.gguf of this type (checked in llama.cpp).")  # fmt: skip
+@click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
+@click.option("--tokenizer", "tokenizer_path", default=None, metavar="PATH", help="Tokenizer (default: SOURCE's).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+def shrink(source, output, params, to, calibration, sequences, length, stock, units, budget, time_limit, seed,
+           gguf_type, gguf_file, tokenizer_path, quiet, overwrite):  # fmt: skip
+    """Remove --params of SOURCE's non-embedding parameters (or shrink it --to a size) by a joint search over
+    whole layers, query heads / KV groups and MLP channels; save the result to OUTPUT with shrink.json.
+
+    Each candidate plan is built with OBS selection and a guarded refit in every layer and scored by its
+    KL to the unpruned model on held-out calibration tokens; the best seed (uniform single-unit cuts) is
+    the floor. See docs/api.md (shrink).
+    """
+    from sinv_prune.shrink.command import run_shrink
+
+    if (params is None) == (to is None):
+        raise UsageError("give exactly one of --params SHARE and --to SIZE")
+    if output.exists() and not overwrite:
+        raise UsageError(f"{output} exists; pass --overwrite to replace it")
+    size = parse_size(to) if to is not None else None
+    source = _model_source(source, gguf_file)
+    try:
+        result = run_shrink(
+            source, output, params=params, to=size, calibration=calibration, sequences=sequences, length=length,
+            stock=stock, units=tuple(u.strip() for u in units.split(",") if u.strip()), budget=budget,
+            time_limit=time_limit, seed=seed, gguf_type=gguf_type, gguf_file=gguf_file,
+            tokenizer_path=tokenizer_path, quiet=quiet, overwrite=overwrite, save=_save_atomically,
+        )  # fmt: skip
+    except (OSError, ValueError, ImportError) as err:
+        raise UsageError(_one_line(err)) from None
+    click.echo(str(result))
+    click.echo(f"saved to {output}")
 
 
 @main.command()

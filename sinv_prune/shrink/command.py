@@ -1,0 +1,34 @@
+"""``sinv-prune shrink``: load, shrink, save the model with its tokenizer and ``shrink.json`` (and a GGUF file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sinv_prune.shrink.search import ShrinkResult, shrink
+from sinv_prune.strict_json import dumps
+
+
+def run_shrink(source: str, output: Path, *, tokenizer_path: str | None, gguf_file: str | None,
+               gguf_type: str | None, overwrite: bool, save, **options) -> ShrinkResult:  # fmt: skip
+    """Shrink the model at ``source`` into ``output`` (written through ``save(output, overwrite, write)``, so
+    nothing half-written is left); ``options`` go to :func:`~sinv_prune.shrink.shrink`."""
+    from sinv_prune.pipeline.data import load_model_tokenizer
+    from sinv_prune.surgery.checkpoint import from_pretrained
+
+    load = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = load_model_tokenizer(tokenizer_path or source, **({} if tokenizer_path else load))
+    model = from_pretrained(source, **load).eval()
+    result = shrink(model, tokenizer=tokenizer, **options)
+
+    def write(directory: Path) -> None:
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        (directory / "shrink.json").write_text(dumps(result.to_dict()) + "\n")
+        if gguf_type:
+            from sinv_prune.deploy import export_gguf
+
+            source_gguf = str(Path(source) / gguf_file) if gguf_file else (source if source.endswith(".gguf") else None)
+            export_gguf(model, tokenizer, directory / "model.gguf", type=gguf_type, tokenizer_gguf=source_gguf)
+
+    save(output, overwrite, write)
+    return result

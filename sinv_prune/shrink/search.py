@@ -1,0 +1,335 @@
+"""``shrink``: remove a share of a model's parameters by a joint search over whole layers, heads and MLP channels.
+
+1. One pass over the calibration text measures what the search needs (:mod:`~sinv_prune.shrink.statistics`):
+   per-layer statistics of the consumers, OBS orders, block influence.
+2. Seeds: the uniform single-unit cuts (MLP channels only; query heads / KV groups only; whole layers only,
+   the least influential blocks) and their mixes with uniform MLP channels making up the rest.
+3. A (1 + 1) evolutionary search from the best seed (:meth:`~sinv_prune.shrink.space.Space.mutate`): a
+   child replaces the best only when its fitness (KL to the unpruned model on held-out calibration
+   tokens, every candidate with OBS selection and a guarded refit in each layer) is lower, so the result
+   is never worse by it than any seed. ``budget`` evaluations, deterministic per ``seed``; ``time_limit``
+   stops it earlier (then the count depends on the machine; the result says so).
+4. The best plan and the best seed are compared on the held-out perplexity (all held-out sequences);
+   the better is built for real (:func:`~sinv_prune.prune`, then the refits written into the kept
+   columns), so the returned model is never worse by that measure either.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from sinv_prune.arch import get_adapter
+from sinv_prune.progress import bar
+from sinv_prune.scoring.allocation import non_embedding_parameters
+from sinv_prune.shrink.calibration import calibration_sequences
+from sinv_prune.shrink.fitness import Candidates
+from sinv_prune.shrink.space import Genome, Space, build_space
+from sinv_prune.shrink.statistics import Picks, Statistics
+from sinv_prune.surgery.refit import write_consumer
+from sinv_prune.surgery.removal import count_parameters, prune
+
+UNITS = ("layers", "heads", "mlp")
+
+
+@dataclass
+class ShrinkResult:
+    """What ``shrink`` chose and why: the plan, its shares, every seed's fitness, the search, the times."""
+
+    plan: dict
+    chosen: str  # "search" or the seed it kept
+    target: int
+    removed: int
+    params_before: int
+    params_after: int
+    non_embedding: int
+    shares: dict[str, int]
+    widths: list[dict]
+    fitness: float
+    seeds: dict[str, dict]
+    heldout_ppl: dict[str, float]
+    evaluations: int
+    budget: int
+    stopped_by_time: bool
+    history: list[float]
+    seconds: dict[str, float]
+    stock: bool
+    seed: int
+    settings: dict = field(default_factory=dict)
+    record_stock: bool | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        ne = self.non_embedding
+        lines = [
+            f"shrink: removed {self.removed:,} of {ne:,} non-embedding parameters ({100 * self.removed / ne:.2f}%; "
+            f"target {self.target:,}), {self.params_before:,} -> {self.params_after:,} parameters",
+            "  share of the cut: "
+            + ", ".join(f"{u} {100 * v / max(self.removed, 1):.0f}%" for u, v in self.shares.items()),  # fmt: skip
+            f"  fitness (KL to the unpruned model, held-out tokens): {self.fitness:.5f}; kept: {self.chosen}; "
+            f"{self.evaluations}/{self.budget} evaluations"
+            + (" (stopped by the time limit)" if self.stopped_by_time else ""),  # fmt: skip
+            "  held-out perplexity: " + ", ".join(f"{k} {v:.3f}" for k, v in self.heldout_ppl.items()),
+            f"  {'candidate':<14} {'removed':>8} {'layers':>7} {'heads':>6} {'mlp':>6} {'KL':>9}",
+        ]
+        for name, s in self.seeds.items():
+            sh = s["shares"]
+            tot = max(s["removed"], 1)
+            lines.append(
+                f"  {name:<14} {100 * s['removed'] / ne:7.2f}% {100 * sh['layers'] / tot:6.0f}% "
+                f"{100 * sh['heads'] / tot:5.0f}% {100 * sh['mlp'] / tot:5.0f}% {s['fitness']:9.5f}"
+            )
+        kept = [w for w in self.widths if not w.get("dropped")]
+        dropped = [w["layer"] for w in self.widths if w.get("dropped")]
+        heads = sorted({(w["heads"], w["kv_heads"]) for w in kept})
+        mlp = [w["mlp"] for w in kept]
+        lines.append(
+            f"  widths: layers dropped {dropped or 'none'}; heads (q, kv) {heads}; MLP {min(mlp)}-{max(mlp)}"
+            if kept
+            else "  widths: none"
+        )
+        t = self.seconds
+        lines.append("  time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()))
+        return "\n".join(lines)
+
+
+def shrink(
+    model: nn.Module,
+    params: float | None = None,
+    *,
+    to: int | None = None,
+    calibration=None,
+    tokenizer=None,
+    sequences: int = 64,
+    length: int = 512,
+    stock: bool = False,
+    units: tuple[str, ...] = UNITS,
+    multiple: int = 8,
+    min_mlp: float = 0.25,
+    budget: int = 48,
+    time_limit: float | None = None,
+    fitness_sequences: int = 4,
+    fitness_tokens: int = 256,
+    holdout: float = 0.125,
+    seed: int = 0,
+    quiet: bool = False,
+) -> ShrinkResult:
+    """Remove ``params`` (a share, 0-1) of ``model``'s non-embedding parameters, or down to ``to`` parameters in
+    all, in place, by the joint search of this module's docstring; returns a :class:`ShrinkResult`.
+
+    ``calibration``: text (a file, a directory of files, a ``datasets`` id; ``tokenizer`` then needed) or
+    batches / id tensors; ``sequences`` x ``length`` tokens are used, ``holdout`` of the sequences held out
+    (refit guard, fitness on the first ``fitness_sequences`` of them cut to ``fitness_tokens``, perplexity
+    check on all). ``stock``: only shapes the stock class (and vLLM) load: the same heads and MLP width in
+    every kept layer. ``units``: which may go (``mlp`` is always among them: it meets the target to a step of
+    ``multiple`` channels); ``min_mlp``: share of each layer's channels that stays. Bad arguments raise a
+    one-line ``ValueError`` before anything changes.
+    """
+    start = time.perf_counter()
+    adapter = get_adapter(model)
+    units = tuple(units)
+    _check(model, adapter, params, to, units, budget, holdout, fitness_sequences, min_mlp, multiple)
+    before = count_parameters(model)
+    non_emb = non_embedding_parameters(model)
+    target = math.ceil(params * non_emb) if params is not None else before - int(to)
+    if not 0 < target < non_emb:
+        raise ValueError(f"--to {to:,}: the model has {before:,} parameters, {non_emb:,} outside the embeddings;"
+                         " the target must remove some of those and not all")  # fmt: skip
+    space = build_space(model, adapter, target, stock=stock, units=units, multiple=multiple, min_mlp=min_mlp)
+    seqs = calibration_sequences(calibration, tokenizer, sequences=sequences, length=length)
+    every = max(2, round(1 / holdout)) if holdout else 0
+    heldout = [bool(every) and i % every == every - 1 for i in range(len(seqs))]
+    held_seqs = [s for s, h in zip(seqs, heldout, strict=True) if h]
+    if not held_seqs:
+        raise ValueError(f"holdout {holdout} of {len(seqs)} sequences holds none out; shrink needs held-out tokens")
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    stats = Statistics(model, adapter, seqs, heldout, quiet=quiet)
+    seconds["statistics"] = time.perf_counter() - t
+    t = time.perf_counter()
+    picks = Picks(stats, space, quiet=quiet)
+    seconds["OBS orders"] = time.perf_counter() - t
+    bypass = stats.bypass_order()
+    rng = random.Random(seed)
+    seeds = seed_genomes(space, bypass, rng)
+    if not seeds:
+        raise ValueError(f"no plan removes {target:,} parameters under these constraints (min_mlp {min_mlp})")
+    fit_batch = torch.stack([s[:fitness_tokens] for s in held_seqs[:fitness_sequences]])
+    t = time.perf_counter()
+    found: dict[str, dict] = {}
+    with Candidates(model, adapter, picks, [fit_batch]) as cand:
+        for name, g in seeds.items():
+            found[name] = {"fitness": cand.kl(g), "removed": space.removed(g), "shares": space.shares(g),
+                           "genome": g}  # fmt: skip
+        best_seed = min(found, key=lambda n: found[n]["fitness"])
+        best, best_fit = found[best_seed]["genome"], found[best_seed]["fitness"]
+        seen = {g.key() for g in seeds.values()}
+        history, used, tries, timed_out = [best_fit], len(seeds), 0, False
+        with bar(total=budget, desc="shrink search (KL)", unit="plan", disable=quiet) as progress:
+            progress.update(min(used, budget))
+            while used < budget:
+                if time_limit is not None and time.perf_counter() - t > time_limit:
+                    timed_out = True
+                    break
+                tries += 1
+                if tries > 50 * budget:
+                    break
+                child = space.mutate(best, rng, bypass)
+                if child is None or child.key() in seen:
+                    continue
+                seen.add(child.key())
+                fit = cand.kl(child)
+                used += 1
+                progress.update(1)
+                if fit < best_fit:
+                    best, best_fit = child, fit
+                    progress.set_postfix(best=f"{best_fit:.5f}")
+                history.append(best_fit)
+        seconds["search"] = time.perf_counter() - t
+        t = time.perf_counter()
+        ppl = {"unpruned": math.exp(_heldout_ce(cand, held_seqs, None))}
+        ppl["search"] = math.exp(_heldout_ce(cand, held_seqs, best))
+        chosen, genome = "search", best
+        if best.key() != found[best_seed]["genome"].key():
+            ppl[best_seed] = math.exp(_heldout_ce(cand, held_seqs, found[best_seed]["genome"]))
+            if ppl[best_seed] < ppl["search"]:
+                chosen, genome, best_fit = best_seed, found[best_seed]["genome"], found[best_seed]["fitness"]
+        plan, kept_widths = to_plan(genome, picks), widths(genome, space, adapter)
+        refits = {key: picks.refit(*key, removed) for key, removed in _cut_consumers(genome, picks).items()}
+        cand.reset()
+    modules = {("heads", i): adapter.out_proj(i) for i in range(adapter.num_layers)}
+    modules |= {("mlp", i): adapter.mlp_out(i) for i in range(adapter.num_layers)}
+    prune(model, plan)
+    for key, (_, weight, bias) in refits.items():
+        write_consumer(modules[key], weight, bias)
+    seconds["compare and build"] = time.perf_counter() - t
+    seconds["total"] = time.perf_counter() - start
+    record = getattr(model.config, "sinv_prune", None)
+    record_stock = record.get("stock_layout") if isinstance(record, dict) else None
+    for s in found.values():
+        s.pop("genome")
+    return ShrinkResult(
+        plan=_json_plan(plan), chosen=chosen, target=target, removed=space.removed(genome), params_before=before,
+        params_after=count_parameters(model), non_embedding=non_emb, shares=space.shares(genome),
+        widths=kept_widths, fitness=best_fit, seeds=found, heldout_ppl=ppl, evaluations=used,
+        budget=budget, stopped_by_time=timed_out, history=history, seconds={k: round(v, 2) for k, v in seconds.items()},
+        stock=stock, seed=seed, record_stock=record_stock,
+        settings={"units": list(units), "multiple": multiple, "min_mlp": min_mlp, "sequences": len(seqs),
+                  "length": length, "holdout": holdout, "fitness_tokens": int(fit_batch.numel()),
+                  "heldout_tokens": sum(s.numel() for s in held_seqs), "time_limit": time_limit},
+    )  # fmt: skip
+
+
+def _check(model, adapter, params, to, units, budget, holdout, fitness_sequences, min_mlp, multiple) -> None:
+    if (params is None) == (to is None):
+        raise ValueError("give exactly one of params= (a share of the non-embedding parameters) and to= (a size)")
+    if params is not None and (isinstance(params, bool) or not isinstance(params, (int, float)) or not 0 < params < 1):
+        raise ValueError(f"params must be a share between 0 and 1 of the non-embedding parameters, got {params!r}")
+    if to is not None and (isinstance(to, bool) or not isinstance(to, int) or to <= 0):
+        raise ValueError(f"to must be a positive parameter count, got {to!r}")
+    unknown = sorted(set(units) - set(UNITS))
+    if unknown or "mlp" not in units:
+        raise ValueError(f"units must include 'mlp' and be among {', '.join(UNITS)}, got {list(units)}")
+    if budget < 1 or fitness_sequences < 1 or not 0 < holdout <= 0.5 or not 0 < min_mlp < 1 or multiple < 1:
+        raise ValueError("budget and fitness_sequences must be >= 1, holdout in (0, 0.5], min_mlp in (0, 1), "
+                         "multiple >= 1")  # fmt: skip
+    if adapter.expert_counts():
+        raise ValueError("shrink does not search mixture-of-experts models yet (experts are not in its space); "
+                         "use prune / Pruner with the experts unit")  # fmt: skip
+    from sinv_prune.surgery.removal import unprunable_reason
+
+    refusal = unprunable_reason(model, adapter)
+    if refusal:
+        raise ValueError(f"cannot shrink this model: {refusal}")
+
+
+def seed_genomes(space: Space, bypass: list[int], rng: random.Random) -> dict[str, Genome]:
+    """The uniform single-unit cuts and their mixes with uniform MLP channels (only those that exist)."""
+    n = len(space.layers)
+    out: dict[str, Genome] = {}
+    stock_space = Space(space.layers, space.target, True, space.units, space.min_layers)
+    mlp = stock_space.repair(space.empty(), rng)
+    if mlp is not None:
+        out["mlp"] = mlp
+    if "heads" in space.units:
+        options = space.layers[0].heads
+        same = all(len(s.heads) == len(options) for s in space.layers)
+        by_cost = sorted(range(1, len(options)), key=lambda j: options[j].removed) if same else []
+        whole = [j for j in by_cost if sum(s.heads[j].removed for s in space.layers) >= space.target]
+        if whole:
+            out["heads"] = Genome((), (whole[0],) * n, (0,) * n)
+        under = [j for j in by_cost if j not in whole]
+        if under:
+            mixed = stock_space.repair(Genome((), (under[-1],) * n, (0,) * n), rng)
+            if mixed is not None:
+                out["heads+mlp"] = mixed
+    if "layers" in space.units:
+        block = space.layers[0].block
+        need = -(-space.target // block)
+        if need <= n - space.min_layers:
+            out["layers"] = Genome(tuple(sorted(bypass[:need])), (0,) * n, (0,) * n)
+        if need - 1 > 0:
+            mixed = stock_space.repair(Genome(tuple(sorted(bypass[: need - 1])), (0,) * n, (0,) * n), rng)
+            if mixed is not None:
+                out["layers+mlp"] = mixed
+    return out
+
+
+def _cut_consumers(genome: Genome, picks: Picks) -> dict[tuple[str, int], list[int]]:
+    out = {}
+    for layer in range(len(genome.heads)):
+        if layer in genome.dropped:
+            continue
+        heads, channels = picks.heads(layer, genome.heads[layer]), picks.channels(layer, genome.mlp[layer])
+        if heads:
+            out["heads", layer] = heads
+        if channels:
+            out["mlp", layer] = channels
+    return out
+
+
+def to_plan(genome: Genome, picks: Picks) -> dict:
+    """The :func:`~sinv_prune.prune` plan of ``genome`` (current numbering)."""
+    plan: dict = {}
+    for (unit, layer), removed in _cut_consumers(genome, picks).items():
+        plan.setdefault(unit, {})[layer] = removed
+    if genome.dropped:
+        plan["layers"] = list(genome.dropped)
+    return plan
+
+
+def _json_plan(plan: dict) -> dict:
+    return {k: ({str(i): v for i, v in sorted(e.items())} if isinstance(e, dict) else e) for k, e in plan.items()}
+
+
+def widths(genome: Genome, space: Space, adapter) -> list[dict]:
+    """Per layer what stays: heads, KV heads, MLP channels (or that the block is dropped)."""
+    out = []
+    for s in space.layers:
+        if s.layer in genome.dropped:
+            out.append({"layer": s.layer, "dropped": True})
+            continue
+        option = s.heads[genome.heads[s.layer]]
+        mlp = adapter.intermediate_size(s.layer) - genome.mlp[s.layer] * s.step
+        out.append({"layer": s.layer, "heads": option.heads, "kv_heads": option.groups, "mlp": mlp})
+    return out
+
+
+def _heldout_ce(cand: Candidates, seqs: list[torch.Tensor], genome: Genome | None) -> float:
+    """Mean next-token cross-entropy of the candidate (None: the unpruned model) over the held-out sequences."""
+    cand.reset() if genome is None else cand.apply(genome)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in seqs:
+            logits = cand.logits(ids[None])[0, :-1]
+            total += float(F.cross_entropy(logits, ids[1:].to(logits.device), reduction="sum"))
+            count += ids.numel() - 1
+    return total / max(count, 1)
