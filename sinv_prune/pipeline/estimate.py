@@ -399,6 +399,9 @@ def estimate_stages(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> lis
 #: teacher pass, a fitting pass stopped at the projection and a student pass per pruned block; obs as lsq,
 #: its selection costs little beside them; the held-out comparison adds two forwards over 1/8 of the tokens).
 COMPENSATION_FORWARDS = {"lsq": 2.6, "obs": 2.6, "bias": 1.3}
+#: Forwards over the calibration tokens shrink's statistics pass costs (a forward plus the consumers' Gram
+#: products) and its closing held-out comparison (up to three passes over 1/8 of them).
+SHRINK_FORWARDS = 2.5
 
 
 def _prune_row(recipe: Recipe, arm, probe: Probe, tokens: dict[str, int], copy_save: float) -> Row:
@@ -408,6 +411,10 @@ def _prune_row(recipe: Recipe, arm, probe: Probe, tokens: dict[str, int], copy_s
         calibration = arm.compensate.batches * arm.compensate.batch_size * recipe.data.seq_len
         seconds += arm.rounds * COMPENSATION_FORWARDS[arm.compensate.method] * probe.forward(calibration)
         what += f"; {arm.compensate.method} compensation on {calibration:,} tokens"
+    if arm.auto is not None:
+        seconds += SHRINK_FORWARDS * probe.forward(arm.auto.batches * recipe.data.seq_len)
+        seconds += arm.auto.budget * probe.forward(4 * min(256, recipe.data.seq_len))
+        what += f"; shrink: statistics on {arm.auto.batches} sequences, {arm.auto.budget} plans of KL"
     if arm.rounds > 1:
         rescore = sum(_score_seconds(p.criterion, recipe, probe, tokens)[0] for p in arm.part_specs)
         seconds += (arm.rounds - 1) * rescore

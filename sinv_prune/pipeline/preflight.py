@@ -83,6 +83,8 @@ def check_symmetry_breaking(recipe: Recipe, adapter: HeadAdapter) -> None:
 def arm_parts(recipe: Recipe):
     """``(key path, part)`` for every part of every arm: ``prune.arms[1]`` or ``prune.arms[1].parts[0]``."""
     for i, arm in enumerate(recipe.prune.arms):
+        if arm.auto is not None:
+            continue  # shrink searches its own cut: check_auto
         if arm.parts is None:
             yield f"prune.arms[{i}]", arm.single_part()
         else:
@@ -125,10 +127,28 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     check_compensation(recipe, adapter)
     check_recipe_tasks(recipe, is_masked_lm(adapter.model))
     check_export(recipe, adapter)
+    check_auto(recipe, adapter)
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
     for where, part in arm_parts(recipe):
         check_amount(part, adapter, f"{where}.amount")
     return layouts
+
+
+def check_auto(recipe: Recipe, adapter: HeadAdapter) -> None:
+    """``auto`` arms: a model shrink can search (no experts yet) and a ``to`` size it can reach."""
+    from sinv_prune.scoring.allocation import non_embedding_parameters
+
+    for i, arm in enumerate(recipe.prune.arms):
+        if arm.auto is None:
+            continue
+        if adapter.expert_counts():
+            raise RecipeError(f"prune.arms[{i}].auto: shrink does not search mixture-of-experts models yet")
+        if arm.auto.to is not None:
+            total = sum(p.numel() for p in adapter.model.parameters())
+            free = non_embedding_parameters(adapter.model)
+            if not total - free < arm.auto.to < total:
+                raise RecipeError(f"prune.arms[{i}].auto.to: {arm.auto.to:,} is not between the embeddings' "
+                                  f"{total - free:,} and the model's {total:,} parameters")  # fmt: skip
 
 
 def check_amount(part, adapter: HeadAdapter, where: str) -> None:

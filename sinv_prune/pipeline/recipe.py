@@ -535,6 +535,44 @@ def _check_allocation(part) -> None:
     check_part_allocation(part.unit, part.mode, part.layout, part.allocation)
 
 
+class AutoSpec(Strict):
+    """An arm that searches its own cut (:func:`sinv_prune.shrink`): ``params`` (a share of the non-embedding
+    parameters) or ``to`` (parameters in all), over ``units`` (``mlp`` always among them), ``stock`` shapes
+    only if asked; ``batches`` calibration sequences of ``data.seq_len`` tokens from the scoring split,
+    ``budget`` plans evaluated, ``seed``, ``time_limit`` seconds, ``multiple`` channels a step, ``min_mlp``
+    of each layer's channels kept."""
+
+    params: float | None = Field(None, gt=0, lt=1)
+    to: int | None = Field(None, gt=0)
+    stock: bool = False
+    units: list[Literal["layers", "heads", "mlp"]] = Field(default_factory=lambda: ["layers", "heads", "mlp"])
+    budget: int = Field(48, ge=1)
+    batches: int = Field(64, ge=2)
+    time_limit: float | None = Field(None, gt=0)
+    multiple: int = Field(8, gt=0)
+    min_mlp: float = Field(0.25, gt=0, lt=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_size(self):
+        if (self.params is None) == (self.to is None):
+            raise ValueError("auto: give exactly one of 'params' (a share) and 'to' (a parameter count)")
+        if "mlp" not in self.units:
+            raise ValueError("auto: units must include mlp (its channels meet the target to a step)")
+        return self
+
+    def shrink_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`sinv_prune.shrink` (calibration, quiet aside)."""
+        return {"params": self.params, "to": self.to, "stock": self.stock, "units": tuple(self.units),
+                "budget": self.budget, "time_limit": self.time_limit, "multiple": self.multiple,
+                "min_mlp": self.min_mlp, "seed": self.seed}  # fmt: skip
+
+    @property
+    def label(self) -> str:
+        size = f"p{self.params:g}" if self.params is not None else f"to{self.to}"
+        return f"auto-{size}" + ("-stock" if self.stock else "")
+
+
 class ArmSpec(Strict):
     """One pruning arm: what it removes (a :class:`PartSpec`'s keys, or a list of them in ``parts``), and how.
 
@@ -581,6 +619,7 @@ class ArmSpec(Strict):
     parts: list[PartSpec] | None = Field(None, min_length=1)
     compensate: CompensateSpec | None = None
     rounds: int = Field(1, ge=1)
+    auto: AutoSpec | None = None
 
     _unit = field_validator("unit")(_registered_unit)
 
@@ -591,6 +630,11 @@ class ArmSpec(Strict):
 
     @model_validator(mode="after")
     def _one_form(self):
+        if self.auto is not None:
+            mixed = _given(self, (*PART_KEYS, "parts", "compensate", "rounds"))
+            if mixed:
+                raise ValueError(f"an 'auto' arm searches its own cut; drop {', '.join(mixed)}")
+            return self
         if self.parts is not None:
             mixed = _given(self, PART_KEYS)
             if mixed:
@@ -621,26 +665,34 @@ class ArmSpec(Strict):
 
     @property
     def part_specs(self) -> list[PartSpec]:
-        """What the arm removes, one :class:`PartSpec` per part (one for the single-part form)."""
+        """What the arm removes, one :class:`PartSpec` per part (one for the single-part form; none for ``auto``)."""
+        if self.auto is not None:
+            return []
         return list(self.parts) if self.parts is not None else [self.single_part()]
 
     @property
     def units(self) -> list[str]:
         """The units the arm removes, in part order without repeats."""
+        if self.auto is not None:
+            return list(self.auto.units)
         return list(dict.fromkeys(p.unit for p in self.part_specs))
 
     @property
     def heads_only(self) -> bool:
         """A single-part heads arm (what :class:`sinv_prune.HeadPruner` runs)."""
-        return self.parts is None and get_unit(self.unit) is HEADS
+        return self.parts is None and self.auto is None and get_unit(self.unit) is HEADS
 
     @property
     def criterion_names(self) -> str:
-        """The criterion, or the parts' criteria joined by ``+``."""
+        """The criterion, or the parts' criteria joined by ``+`` (``auto``: ``shrink``)."""
+        if self.auto is not None:
+            return "shrink"
         return "+".join(p.criterion for p in self.part_specs)
 
     @property
     def label(self) -> str:
+        if self.auto is not None:
+            return self.name or self.auto.label
         if self.parts is None:
             base = self.single_part().label()
         else:

@@ -472,7 +472,9 @@ def stage_prune(run: Run) -> None:
             continue
         model = fresh_base(run)
         calibration = _calibration_batches(run, arm.compensate) if arm.compensate else None
-        if arm.rounds > 1:
+        if arm.auto is not None:
+            summary = _shrink_arm(run, arm, model, state)
+        elif arm.rounds > 1:
             criteria = [part_criterion(p) for p in arm.part_specs]
             pruner = arm_pruner(run, arm, criteria)
             batches = list(_score_batches(run)) if any(c.needs_data for c in criteria) else None
@@ -512,6 +514,18 @@ def stage_prune(run: Run) -> None:
         del model, summary, calibration
         release()
     run.dir.finish("prune")
+
+
+def _shrink_arm(run: Run, arm: ArmSpec, model, state: dict):
+    """Prune ``model`` by :func:`sinv_prune.shrink` on the scoring split's first ``auto.batches`` blocks."""
+    from sinv_prune.shrink import shrink
+
+    blocks = data_mod.lm_blocks(run.ids[_score_split(run)], run.recipe.data.seq_len)
+    ids = torch.tensor(blocks[: arm.auto.batches]["input_ids"])
+    result = shrink(model, calibration=list(ids), length=ids.shape[1], quiet=run.quiet, **arm.auto.shrink_options())
+    state["shrink"] = {k: v for k, v in result.to_dict().items() if k != "plan"}
+    logger.info("arm %s: %s", arm.label, str(result).splitlines()[0], extra=CONSOLE)
+    return result.summary
 
 
 def _calibration_batches(run: Run, spec) -> list[dict]:
@@ -698,7 +712,8 @@ def stage_evaluate(run: Run) -> dict:
             **{k: state.get(k) for k in ("removed", "removed_channels", "removed_experts", "removed_layers")},
             "pruned": evaluate_model(run, pruned, f"{arm.label} (pruned)", offload=offload),
             "model_dir": state["pruned_dir"],
-            "score_report": scores.get(criterion_key(arm), {}).get("report", {}),
+            "score_report": scores.get(criterion_key(arm), {}).get("report", {}) if arm.part_specs else {},
+            "shrink": state.get("shrink"),
         }
         del pruned
         if state.get("finetuned"):
@@ -741,7 +756,7 @@ def _has_gqa(model) -> bool:
 def _arm_fields(arm: ArmSpec) -> dict[str, Any]:
     """What an arm removes, for its results row: the single part's keys, or ``parts`` (then the keys are None)."""
     parts = arm.part_specs
-    one = parts[0] if arm.parts is None else None
+    one = parts[0] if arm.parts is None and parts else None
     return {
         "unit": "+".join(arm.units),
         "parts": [p.model_dump(exclude_none=True) for p in parts] if arm.parts is not None else None,

@@ -17,9 +17,10 @@ from typing import Any
 from torch import nn
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.scoring.allocation import Context, allocate, check_allocation, groups_for
+from sinv_prune.scoring.allocation import Context, allocate, check_allocation, groups_for, needs_data
 from sinv_prune.scoring.amounts import _Budget, check_amount, check_met
 from sinv_prune.scoring.criteria import Criterion, Scores, TraceLike, criterion_class, get_criterion
+from sinv_prune.scoring.obs_ranks import rank_by_obs
 from sinv_prune.scoring.selection import DEFAULT_LAYOUT, MODES, check_layout
 from sinv_prune.surgery import compensation
 from sinv_prune.surgery import removal as surgery
@@ -298,6 +299,8 @@ class Pruner:
             options = {}
             for part in parts:
                 options.update(part.allocation_options or {})
+            if self.compensate == "obs" and needs_data(strategy) and data:
+                rank_by_obs(model, groups, data, quiet=self.quiet)  # measure the cuts OBS will make
             context = Context(model=model, batches=data, seed=parts[0].seed, options=options, quiet=self.quiet)
             decided = allocate(strategy, groups, target, context, exact=any(p.exact for p in parts))
             for g in groups:

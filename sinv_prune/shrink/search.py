@@ -31,7 +31,8 @@ from sinv_prune.scoring.allocation import non_embedding_parameters
 from sinv_prune.shrink.calibration import calibration_sequences
 from sinv_prune.shrink.fitness import Candidates
 from sinv_prune.shrink.space import Genome, Space, build_space
-from sinv_prune.shrink.statistics import Picks, Statistics
+from sinv_prune.shrink.statistics import Picks
+from sinv_prune.surgery.consumer_statistics import Statistics
 from sinv_prune.surgery.refit import write_consumer
 from sinv_prune.surgery.removal import count_parameters, prune
 
@@ -145,11 +146,10 @@ def shrink(
                          " the target must remove some of those and not all")  # fmt: skip
     space = build_space(model, adapter, target, stock=stock, units=units, multiple=multiple, min_mlp=min_mlp)
     seqs = calibration_sequences(calibration, tokenizer, sequences=sequences, length=length)
-    every = max(2, round(1 / holdout)) if holdout else 0
-    heldout = [bool(every) and i % every == every - 1 for i in range(len(seqs))]
+    every = max(2, round(1 / holdout))
+    heldout = [i % every == every - 1 for i in range(len(seqs))]
+    heldout[-1] = heldout[-1] or not any(heldout)  # fewer sequences than 1/holdout: the last is held out
     held_seqs = [s for s, h in zip(seqs, heldout, strict=True) if h]
-    if not held_seqs:
-        raise ValueError(f"holdout {holdout} of {len(seqs)} sequences holds none out; shrink needs held-out tokens")
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     stats = Statistics(model, adapter, seqs, heldout, quiet=quiet)
@@ -207,7 +207,7 @@ def shrink(
         cand.reset()
     modules = {("heads", i): adapter.out_proj(i) for i in range(adapter.num_layers)}
     modules |= {("mlp", i): adapter.mlp_out(i) for i in range(adapter.num_layers)}
-    prune(model, plan)
+    summary = prune(model, plan)
     for key, (_, weight, bias) in refits.items():
         write_consumer(modules[key], weight, bias)
     seconds["compare and build"] = time.perf_counter() - t
@@ -216,7 +216,7 @@ def shrink(
     record_stock = record.get("stock_layout") if isinstance(record, dict) else None
     for s in found.values():
         s.pop("genome")
-    return ShrinkResult(
+    result = ShrinkResult(
         plan=_json_plan(plan), chosen=chosen, target=target, removed=space.removed(genome), params_before=before,
         params_after=count_parameters(model), non_embedding=non_emb, shares=space.shares(genome),
         widths=kept_widths, fitness=best_fit, seeds=found, heldout_ppl=ppl, evaluations=used,
@@ -226,6 +226,8 @@ def shrink(
                   "length": length, "holdout": holdout, "fitness_tokens": int(fit_batch.numel()),
                   "heldout_tokens": sum(s.numel() for s in held_seqs), "time_limit": time_limit},
     )  # fmt: skip
+    result.summary = summary  # the removal's PruneSummary (not a field: to_dict leaves it out)
+    return result
 
 
 def _check(model, adapter, params, to, units, budget, holdout, fitness_sequences, min_mlp, multiple) -> None:

@@ -1,9 +1,6 @@
-"""What the search needs from the unpruned model, measured once: consumers' statistics, OBS orders, refits.
+"""What the search needs from the unpruned model, measured once: OBS orders and refits of every option.
 
-One pass over the calibration sequences (stopped after the last block) accumulates, per layer, the
-normal equations of the attention output projection and of the MLP down projection against their
-own unpruned outputs (:class:`~sinv_prune.surgery.refit.ConsumerFit`; fit and held-out sequences
-apart) and each block's influence (ShortGPT: ``1 - cos(input, output)``). From them, per layer:
+From the consumers' statistics (:class:`~sinv_prune.surgery.consumer_statistics.Statistics`, one pass), per layer:
 
 * heads: for every :class:`~sinv_prune.shrink.space.HeadOption`, which KV groups go (group OBS, a unit
   is a whole group's ``o_proj`` columns), then which query heads in each kept group (OBS with equal
@@ -14,85 +11,23 @@ apart) and each block's influence (ShortGPT: ``1 - cos(input, output)``). From t
   refit does not generalise: :func:`~sinv_prune.surgery.compensation.guarded_refit`), cached.
 
 Every layer is fitted on the unpruned model's inputs (not sequentially), so a candidate costs a few
-small solves and one forward; the chosen plan can be rebuilt sequentially afterwards.
+small solves and one forward.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
-from sinv_prune.arch import HeadAdapter
 from sinv_prune.arch.base import head_rows
 from sinv_prune.progress import bar
 from sinv_prune.shrink.space import HeadOption, Space
-from sinv_prune.surgery.block_inputs import Stop, input_device, rows
 from sinv_prune.surgery.compensation import guarded_refit
+from sinv_prune.surgery.consumer_statistics import Statistics
 from sinv_prune.surgery.obs import obs_channel_order, obs_order
-from sinv_prune.surgery.refit import ConsumerFit, consumer_weights
-
-
-class Statistics:
-    """Per layer the fit / held-out :class:`ConsumerFit` of ``o_proj`` and the down projection; block influence."""
-
-    def __init__(self, model: nn.Module, adapter: HeadAdapter, sequences: Sequence[torch.Tensor],
-                 heldout: Sequence[bool], *, batch: int = 4, quiet: bool = False):  # fmt: skip
-        self.adapter = adapter
-        n = adapter.num_layers
-        self.fits: dict[tuple[str, int], tuple[ConsumerFit, ConsumerFit]] = {}
-        self.influence = [0.0] * n
-        counts = [0] * n
-        consumers = {("heads", i): adapter.out_proj(i) for i in range(n)}
-        consumers |= {("mlp", i): adapter.mlp_out(i) for i in range(n)}
-        for key, module in consumers.items():
-            weight, bias = consumer_weights(module)
-            fit, held = (ConsumerFit(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                                     product_dtype=torch.float32) for _ in range(2))  # fmt: skip
-            self.fits[key] = (fit, held)
-        state = {"held": False}
-
-        def consumer_hook(key):
-            def hook(module, args, output):
-                fit = self.fits[key][1 if state["held"] else 0]
-                fit.update(rows(args[0], None), rows(output, None))
-
-            return hook
-
-        def block_hook(i: int, last: bool):
-            def hook(module, args, kwargs, output):
-                x = args[0] if args else kwargs["hidden_states"]
-                y = output[0] if isinstance(output, tuple | list) else output
-                cos = nn.functional.cosine_similarity(x.double(), y.double(), dim=-1)
-                self.influence[i] += float((1 - cos).sum())
-                counts[i] += cos.numel()
-                if last:
-                    raise Stop
-
-            return hook
-
-        blocks = adapter.layers()
-        device = input_device(model)
-        with contextlib.ExitStack() as stack, torch.no_grad():
-            for key, module in consumers.items():
-                stack.enter_context(_hooked(module.register_forward_hook(consumer_hook(key))))
-            for i, block in enumerate(blocks):
-                stack.enter_context(_hooked(block.register_forward_hook(block_hook(i, i == n - 1), with_kwargs=True)))
-            groups = _batches(sequences, heldout, batch)
-            with bar(total=len(sequences), desc="statistics", unit="seq", disable=quiet) as progress:
-                for ids, held in groups:
-                    state["held"] = held
-                    with contextlib.suppress(Stop):
-                        model(input_ids=ids.to(device), use_cache=False)
-                    progress.update(ids.shape[0])
-        self.influence = [v / max(c, 1) for v, c in zip(self.influence, counts, strict=True)]
-
-    def bypass_order(self) -> list[int]:
-        """Layers from the one that changes its input least (cheapest to drop) to the most."""
-        return sorted(range(len(self.influence)), key=lambda i: self.influence[i])
+from sinv_prune.surgery.refit import consumer_weights
 
 
 class Picks:
@@ -169,26 +104,3 @@ class Picks:
         if len(self._refits) > self._cap:
             self._refits.popitem(last=False)
         return value
-
-
-def _batches(sequences, heldout, batch: int) -> list[tuple[torch.Tensor, bool]]:
-    """Sequences stacked ``batch`` at a time (fit and held-out apart; equal lengths only share a batch)."""
-    out = []
-    for held in (False, True):
-        run: list[torch.Tensor] = []
-        for ids in (s for s, h in zip(sequences, heldout, strict=True) if h == held):
-            if run and (len(run) == batch or ids.shape != run[0].shape):
-                out.append((torch.stack(run), held))
-                run = []
-            run.append(ids)
-        if run:
-            out.append((torch.stack(run), held))
-    return out
-
-
-@contextlib.contextmanager
-def _hooked(handle):
-    try:
-        yield handle
-    finally:
-        handle.remove()
