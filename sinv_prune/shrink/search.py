@@ -122,6 +122,7 @@ def shrink(
     holdout: float = 0.125,
     seed: int = 0,
     quiet: bool = False,
+    statistics: Statistics | None = None,
 ) -> ShrinkResult:
     """Remove ``params`` (a share, 0-1) of ``model``'s non-embedding parameters, or down to ``to`` parameters in
     all, in place, by the joint search of this module's docstring; returns a :class:`ShrinkResult`.
@@ -132,7 +133,8 @@ def shrink(
     check on all). ``stock``: only shapes the stock class (and vLLM) load: the same heads and MLP width in
     every kept layer. ``units``: which may go (``mlp`` is always among them: it meets the target to a step of
     ``multiple`` channels); ``min_mlp``: share of each layer's channels that stays. Bad arguments raise a
-    one-line ``ValueError`` before anything changes.
+    one-line ``ValueError`` before anything changes. ``statistics``: the :class:`Statistics` of an earlier call
+    on this same (unpruned) model and calibration, to skip the pass (``result.statistics`` holds it).
     """
     start = time.perf_counter()
     adapter = get_adapter(model)
@@ -152,7 +154,9 @@ def shrink(
     held_seqs = [s for s, h in zip(seqs, heldout, strict=True) if h]
     seconds: dict[str, float] = {}
     t = time.perf_counter()
-    stats = Statistics(model, adapter, seqs, heldout, quiet=quiet)
+    stats = statistics or Statistics(model, adapter, seqs, heldout, quiet=quiet)
+    if len(stats.influence) != adapter.num_layers:
+        raise ValueError("statistics= come from another model (its layer count differs)")
     seconds["statistics"] = time.perf_counter() - t
     t = time.perf_counter()
     picks = Picks(stats, space, quiet=quiet)
@@ -226,7 +230,8 @@ def shrink(
                   "length": length, "holdout": holdout, "fitness_tokens": int(fit_batch.numel()),
                   "heldout_tokens": sum(s.numel() for s in held_seqs), "time_limit": time_limit},
     )  # fmt: skip
-    result.summary = summary  # the removal's PruneSummary (not a field: to_dict leaves it out)
+    result.summary = summary  # the removal's PruneSummary (not fields: to_dict leaves them out)
+    result.statistics = stats
     return result
 
 

@@ -39,10 +39,14 @@ class Picks:
         self._heads: dict[tuple[int, int], list[int]] = {}
         self._refits: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = OrderedDict()
         self._cap = cache
+        n = self.adapter.num_layers
+        # the unpruned weights, held now: candidates replace the live parameters (never in place)
+        self.weights = {("heads", i): consumer_weights(self.adapter.out_proj(i)) for i in range(n)}
+        self.weights |= {("mlp", i): consumer_weights(self.adapter.mlp_out(i)) for i in range(n)}
         for s in bar(space.layers, desc="OBS orders", unit="layer", disable=quiet):
             if s.max_steps:
                 fit = self.stats.fits["mlp", s.layer][0]
-                weight, _ = consumer_weights(self.adapter.mlp_out(s.layer))
+                weight, _ = self.weights["mlp", s.layer]
                 width = weight.shape[1]
                 self.mlp_steps[s.layer] = obs_channel_order(fit.gram[:width, :width], weight, s.max_steps * s.step,
                                                             s.step)  # fmt: skip
@@ -59,7 +63,7 @@ class Picks:
         lay = self.adapter.layout(layer)
         group, d = lay.group_size, lay.head_dim
         fit = self.stats.fits["heads", layer][0]
-        weight, _ = consumer_weights(self.adapter.out_proj(layer))
+        weight, _ = self.weights["heads", layer]
         width = weight.shape[1]
         gram = fit.gram[:width, :width]
         gone_groups: list[int] = []
@@ -87,8 +91,7 @@ class Picks:
         if key in self._refits:
             self._refits.move_to_end(key)
             return self._refits[key]
-        module = self.adapter.out_proj(layer) if unit == "heads" else self.adapter.mlp_out(layer)
-        weight, bias = consumer_weights(module)
+        weight, bias = self.weights[unit, layer]
         width = weight.shape[1]
         if unit == "heads":
             d = self.adapter.layout(layer).head_dim
@@ -99,6 +102,8 @@ class Picks:
         fit, held = (f.restrict(kept) for f in self.stats.fits[unit, layer])
         plain = (weight.index_select(1, kept), bias)
         _, (w, b), _, _ = guarded_refit(fit, held if held.tokens else None, plain)
+        if not torch.isfinite(w).all() or (b is not None and not torch.isfinite(b).all()):
+            w, b = plain  # an ill-conditioned solve: plain pruning instead
         value = (kept, w.to(weight.dtype), None if b is None else b.to(weight.dtype))
         self._refits[key] = value
         if len(self._refits) > self._cap:
