@@ -165,3 +165,16 @@ def test_cli_shrinks_from_text_and_refuses_bad_input(tmp_path):
     short = CliRunner().invoke(main, [*args, "--overwrite", "--sequences", "4000"])
     assert short.exit_code == 2 and "fewer than" in short.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "model", "small"]
+
+
+def test_refine_keeps_the_better_build_and_it_reloads(tmp_path):
+    model = tiny_llama()
+    result = run(model, share=0.35, refine=True, units=("layers", "heads", "mlp"))
+    assert "sequential" in result.heldout_ppl
+    kept = "sequential" if result.built == "sequential OBS refit" else result.chosen
+    assert result.heldout_ppl[kept] == min(result.heldout_ppl["sequential"], result.heldout_ppl[result.chosen])
+    assert heldout_ppl(model, sequences()) == pytest.approx(result.heldout_ppl[kept], rel=1e-4)
+    assert result.params_before - result.params_after == result.removed
+    model.save_pretrained(tmp_path)
+    ids = sequences()[3][None]
+    torch.testing.assert_close(logits(sinv_prune.from_pretrained(tmp_path), ids), logits(model, ids))

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -28,10 +29,12 @@ from torch import nn
 from sinv_prune.arch import get_adapter
 from sinv_prune.progress import bar
 from sinv_prune.scoring.allocation import non_embedding_parameters
+from sinv_prune.scoring.criteria.base import preserve_modes
 from sinv_prune.shrink.calibration import calibration_sequences
 from sinv_prune.shrink.fitness import Candidates
 from sinv_prune.shrink.space import Genome, Space, build_space
 from sinv_prune.shrink.statistics import Picks
+from sinv_prune.surgery.block_inputs import input_device
 from sinv_prune.surgery.consumer_statistics import Statistics
 from sinv_prune.surgery.refit import write_consumer
 from sinv_prune.surgery.removal import count_parameters, prune
@@ -64,6 +67,7 @@ class ShrinkResult:
     seed: int
     settings: dict = field(default_factory=dict)
     record_stock: bool | None = None
+    built: str = "per-layer refit"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,6 +127,7 @@ def shrink(
     seed: int = 0,
     quiet: bool = False,
     statistics: Statistics | None = None,
+    refine: bool = False,
 ) -> ShrinkResult:
     """Remove ``params`` (a share, 0-1) of ``model``'s non-embedding parameters, or down to ``to`` parameters in
     all, in place, by the joint search of this module's docstring; returns a :class:`ShrinkResult`.
@@ -135,6 +140,9 @@ def shrink(
     ``multiple`` channels); ``min_mlp``: share of each layer's channels that stays. Bad arguments raise a
     one-line ``ValueError`` before anything changes. ``statistics``: the :class:`Statistics` of an earlier call
     on this same (unpruned) model and calibration, to skip the pass (``result.statistics`` holds it).
+    ``refine``: also build the chosen plan block by block (:func:`~sinv_prune.prune` with ``compensate="obs"``
+    on every calibration sequence, after the blocks are dropped) and keep it where its held-out perplexity
+    is lower (``result.built`` says which; it costs a full compensation pass and a copy of the model).
     """
     start = time.perf_counter()
     adapter = get_adapter(model)
@@ -209,12 +217,28 @@ def shrink(
         plan, kept_widths = to_plan(genome, picks), widths(genome, space, adapter)
         refits = {key: picks.refit(*key, removed) for key, removed in _cut_consumers(genome, picks).items()}
         cand.reset()
-    modules = {("heads", i): adapter.out_proj(i) for i in range(adapter.num_layers)}
-    modules |= {("mlp", i): adapter.mlp_out(i) for i in range(adapter.num_layers)}
-    summary = prune(model, plan)
-    for key, (_, weight, bias) in refits.items():
-        write_consumer(modules[key], weight, bias)
-    seconds["compare and build"] = time.perf_counter() - t
+    built = "per-layer refit"
+    summary = None
+    if refine:
+        seconds["compare and build"] = time.perf_counter() - t
+        t = time.perf_counter()
+        sequential, summary = _sequential_build(model, plan, seqs)
+        ppl["sequential"] = math.exp(_model_ce(sequential, held_seqs))
+        seconds["sequential refit"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if ppl["sequential"] < ppl[chosen]:
+            _become(model, sequential)
+            built = "sequential OBS refit"
+        else:
+            summary = None
+        del sequential
+    if summary is None:
+        modules = {("heads", i): adapter.out_proj(i) for i in range(adapter.num_layers)}
+        modules |= {("mlp", i): adapter.mlp_out(i) for i in range(adapter.num_layers)}
+        summary = prune(model, plan)
+        for key, (_, weight, bias) in refits.items():
+            write_consumer(modules[key], weight, bias)
+    seconds["compare and build"] = seconds.get("compare and build", 0.0) + time.perf_counter() - t
     seconds["total"] = time.perf_counter() - start
     record = getattr(model.config, "sinv_prune", None)
     record_stock = record.get("stock_layout") if isinstance(record, dict) else None
@@ -225,7 +249,7 @@ def shrink(
         params_after=count_parameters(model), non_embedding=non_emb, shares=space.shares(genome),
         widths=kept_widths, fitness=best_fit, seeds=found, heldout_ppl=ppl, evaluations=used,
         budget=budget, stopped_by_time=timed_out, history=history, seconds={k: round(v, 2) for k, v in seconds.items()},
-        stock=stock, seed=seed, record_stock=record_stock,
+        stock=stock, seed=seed, record_stock=record_stock, built=built,
         settings={"units": list(units), "multiple": multiple, "min_mlp": min_mlp, "sequences": len(seqs),
                   "length": length, "holdout": holdout, "fitness_tokens": int(fit_batch.numel()),
                   "heldout_tokens": sum(s.numel() for s in held_seqs), "time_limit": time_limit},
@@ -328,6 +352,42 @@ def widths(genome: Genome, space: Space, adapter) -> list[dict]:
         mlp = adapter.intermediate_size(s.layer) - genome.mlp[s.layer] * s.step
         out.append({"layer": s.layer, "heads": option.heads, "kv_heads": option.groups, "mlp": mlp})
     return out
+
+
+def _sequential_build(model: nn.Module, plan: dict, seqs: list[torch.Tensor]):
+    """A copy of ``model`` cut by ``plan``: blocks dropped first, then heads and channels by sequential OBS
+    compensation on ``seqs`` (its own held-out guard); the copy and the summary of the whole cut."""
+    other = copy.deepcopy(model)
+    dropped = list(plan.get("layers", []))
+    first = prune(other, {"layers": dropped}) if dropped else None
+    shift = {layer: layer - sum(d < layer for d in dropped) for layer in range(get_adapter(model).num_layers)}
+    rest = {u: {shift[layer]: v for layer, v in plan[u].items()} for u in ("heads", "mlp") if u in plan}
+    batches = [{"input_ids": torch.stack(seqs[i : i + 4])} for i in range(0, len(seqs), 4)]
+    summary = prune(other, rest, calibration=batches, compensate="obs")
+    if first is not None:
+        summary.params_before = first.params_before
+        summary.removed_layers, summary.removed_layers_original = first.removed_layers, first.removed_layers_original
+    return other, summary
+
+
+def _become(model: nn.Module, other: nn.Module) -> None:
+    """Make ``model`` (in place, for its callers) the module ``other`` is: class, submodules, weights, config."""
+    model.__class__ = type(other)
+    for key in ("_parameters", "_buffers", "_modules"):
+        model.__dict__[key] = other.__dict__[key]
+    model.config = other.config
+
+
+def _model_ce(model: nn.Module, seqs: list[torch.Tensor]) -> float:
+    """Mean next-token cross-entropy of ``model`` over ``seqs``."""
+    total, count = 0.0, 0
+    with preserve_modes(model), torch.no_grad():
+        model.eval()
+        for ids in seqs:
+            logits = model(input_ids=ids[None].to(input_device(model)), use_cache=False).logits[0, :-1].float()
+            total += float(F.cross_entropy(logits, ids[1:].to(logits.device), reduction="sum"))
+            count += ids.numel() - 1
+    return total / max(count, 1)
 
 
 def _heldout_ce(cand: Candidates, seqs: list[torch.Tensor], genome: Genome | None) -> float:
