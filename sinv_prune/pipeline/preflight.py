@@ -80,6 +80,23 @@ def check_symmetry_breaking(recipe: Recipe, adapter: HeadAdapter) -> None:
             raise RecipeError(f"{stage}.symmetry_breaking: {first_line(err)}") from None
 
 
+def check_finetune(recipe: Recipe, masked_lm: bool) -> None:
+    """``finetune.data``'s local files exist; a teacher cache only for a causal LM."""
+    spec = recipe.finetune
+    if spec is None:
+        return
+    files = spec.data.files if spec.data is not None else None
+    for i, name in enumerate([files] if isinstance(files, str) else files or []):
+        if not Path(recipe.resolve(name)).exists():
+            where = "finetune.data.files" + ("" if isinstance(files, str) else f"[{i}]")
+            raise RecipeError(f"{where}: {recipe.resolve(name)} does not exist")
+    if spec.distill is not None and spec.distill.cache_top_k and masked_lm:
+        raise RecipeError(
+            "finetune.distill.cache_top_k: a masked LM's teacher sees a new masking every step, "
+            "so its logits cannot be cached; drop cache_top_k"
+        )
+
+
 def arm_parts(recipe: Recipe):
     """``(key path, part)`` for every part of every arm: ``prune.arms[1]`` or ``prune.arms[1].parts[0]``."""
     for i, arm in enumerate(recipe.prune.arms):
@@ -124,6 +141,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     check_symmetry_breaking(recipe, adapter)
     check_compensation(recipe, adapter)
     check_recipe_tasks(recipe, is_masked_lm(adapter.model))
+    check_finetune(recipe, is_masked_lm(adapter.model))
     check_export(recipe, adapter)
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]
     for where, part in arm_parts(recipe):
