@@ -44,7 +44,8 @@ class Blocks(torch.utils.data.Dataset):
         return int(self.blocks.shape[1])
 
     def __getitem__(self, i: int) -> dict:
-        row = torch.as_tensor(np.asarray(self.blocks[i]), dtype=torch.long)
+        row = self.blocks[i]
+        row = row.long() if isinstance(row, torch.Tensor) else torch.from_numpy(np.array(row, dtype=np.int64))
         return {"input_ids": row, "index": int(i)}
 
 

@@ -159,7 +159,7 @@ def build_cache(
         ids = np.lib.format.open_memmap(d / "ids.npy", mode="w+", dtype=np.int32, shape=(n, seq_len, k))
         starts = range(0, n, batch_size)
         for start in bar(starts, desc="teacher cache", unit="batch", disable=not progress):
-            chunk = torch.as_tensor(np.asarray(blocks[start : start + batch_size]), dtype=torch.long, device=device)
+            chunk = torch.as_tensor(np.array(blocks[start : start + batch_size]), dtype=torch.long, device=device)
             logits = teacher(input_ids=chunk).logits.float()
             top, where = F.log_softmax(logits / temperature, dim=-1).topk(k, dim=-1)
             values[start : start + len(chunk)] = top.cpu().numpy().astype(dtype)
