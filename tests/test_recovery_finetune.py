@@ -223,14 +223,22 @@ def tiny_recipe(tmp_path) -> dict:
     return {
         "name": "tiny-recovery",
         "model": {"architecture": "gpt2", "config": {"n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64}},
-        "data": {"synthetic": {"num_train": 60, "num_valid": 20, "num_test": 20}, "tokenizer": {"kind": "word"},
-                 "seq_len": 32},  # fmt: skip
+        "data": {
+            "synthetic": {"num_train": 60, "num_valid": 20, "num_test": 20},
+            "tokenizer": {"kind": "word"},
+            "seq_len": 32,
+        },  # fmt: skip
         "train": {"max_steps": 2, "batch_size": 8, "learning_rate": 0.003},
         "score": {"batches": 1, "batch_size": 4},
         "prune": {"arms": [{"criterion": "magnitude", "amount": 2}, {"criterion": "random", "amount": 2}]},
-        "finetune": {"tokens": 1000, "batch_size": 4, "eval_every_tokens": 400, "learning_rate": 0.003,
-                     "data": {"files": str(tmp_path / "corpus")},
-                     "distill": {"cache_top_k": 16, "alpha": 0.5}},  # fmt: skip
+        "finetune": {
+            "tokens": 1000,
+            "batch_size": 4,
+            "eval_every_tokens": 400,
+            "learning_rate": 0.003,
+            "data": {"files": str(tmp_path / "corpus")},
+            "distill": {"cache_top_k": 16, "alpha": 0.5},
+        },  # fmt: skip
         "evaluate": {"speed": False, "prompts": []},
     }
 
