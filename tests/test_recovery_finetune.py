@@ -282,3 +282,47 @@ def test_a_masked_lm_cannot_cache_its_teacher_and_missing_files_are_named(tmp_pa
         result = CliRunner().invoke(main, ["run", str(path), "--dry-run"])
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
         assert __import__("re").search(message, result.output), result.output
+
+
+def test_a_resumed_curve_keeps_the_points_up_to_its_checkpoint(tmp_path):
+    from types import SimpleNamespace
+
+    path = tmp_path / "recovery.json"
+    path.write_text(json.dumps([{"tokens": 64 * s, "step": s, "perplexity": 9.0} for s in (0, 3, 5, 8)]))
+    curve = RecoveryCurve(lambda model: {"perplexity": 1.0}, every_tokens=150, seq_len=16, path=path)
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1, world_size=1)
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+    model = tiny_model("gpt2").train()
+    curve.on_train_begin(args, state, None, model=model)  # the Trainer loads the checkpoint's step after this
+    for step in (6, 7, 8):  # resumed from checkpoint-5: the point at step 8 was taken after it, and goes
+        state.global_step = step
+        curve.on_step_end(args, state, None, model=model)
+    curve.on_train_end(args, state, None, model=model)
+    assert [(p["step"], p["perplexity"]) for p in curve.points] == [(0, 9.0), (3, 9.0), (5, 9.0), (8, 1.0)]
+    assert json.loads(path.read_text()) == curve.points
+
+
+def test_curve_points_carry_each_tasks_headline_metric(monkeypatch):
+    from types import SimpleNamespace
+
+    import sinv_prune.lmeval as lmeval
+    from sinv_prune.pipeline import tasks as tasks_mod
+    from sinv_prune.pipeline.recovery import curve_evaluator
+
+    finetune = {"max_steps": 1, "eval_every_tokens": 10, "eval_max_tokens": 40}
+    data = {**BASE["data"], "seq_len": 16}
+    evaluate = {"tasks": ["a", "b"], "limit": 3}
+    recipe = validate_recipe({**BASE, "data": data, "evaluate": evaluate, "finetune": finetune})
+    ids = torch.randint(3, VOCAB, (200,), generator=torch.Generator().manual_seed(0))
+    run = SimpleNamespace(recipe=recipe, ids={"test": ids}, tokenizer=word_tokenizer(), root="/nowhere")
+    monkeypatch.setattr(tasks_mod, "_task_set", lambda *a: ("tasks", "manager"))
+    calls = []
+    fake = {"a": {"acc": 0.25, "acc_norm": 0.5}, "b": {"acc": 0.75}}
+    monkeypatch.setattr(lmeval, "evaluate_tasks", lambda *a, **k: calls.append(k) or {"tasks": fake})
+    point = curve_evaluator(run, masked_lm=False)(tiny_model("gpt2"))
+    assert point["a"] == 0.5 and point["b"] == 0.75  # acc_norm where reported, else acc
+    assert calls[0]["limit"] == 3 and math.isfinite(point["perplexity"])
+    from sinv_prune.pipeline.evaluation import perplexity
+
+    assert point["perplexity"] == pytest.approx(perplexity(tiny_model("gpt2"), ids, seq_len=16, max_tokens=40,
+                                                           progress=False)["perplexity"])  # fmt: skip
