@@ -267,6 +267,7 @@ def test_a_recipe_budgets_streams_caches_and_draws_its_recovery_curve(tmp_path):
     assert "plots/recovery_curve.png" in results["plots"] and (out / "plots" / "recovery_curve.png").is_file()
     report = (out / "report.md").read_text()
     assert "![recovery_curve](plots/recovery_curve.png)" in report and "Recovery curve" in report
+    assert "the KL over the teacher's cached top-16 tokens): `magnitude-2-global`, `random-2-global`." in report
 
 
 def test_a_masked_lm_cannot_cache_its_teacher_and_missing_files_are_named(tmp_path):

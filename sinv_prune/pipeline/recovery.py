@@ -130,15 +130,21 @@ def plot_recovery(results: dict, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from sinv_prune.pipeline.report_figure import _plain_y
+
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    values = []
     for i, (name, points) in enumerate(curves):
         shown = [(p["tokens"], p["perplexity"]) for p in points if p.get("perplexity") is not None]
         if shown:
             ax.plot(*zip(*shown, strict=True), marker="o", markersize=3, color=f"C{i % 10}", label=name)
+            values += [v for _, v in shown]
     base = results["baseline"].get("perplexity")
     if base is not None:
-        ax.axhline(base, color="black", linestyle="--", linewidth=1, label="baseline (unpruned)")
-    ax.set_yscale("log")
+        ax.axhline(base, color="black", linestyle="--", linewidth=1, label="baseline (unpruned, evaluate stage)")
+        values.append(base)
+    if values:
+        _plain_y(ax, values)  # a log axis only when the values span more than a factor of 3
     ax.set_xlabel("fine-tune tokens seen")
     ax.set_ylabel("perplexity (lower is better)")
     ax.set_title("recovery during fine-tuning")

@@ -172,11 +172,14 @@ def distill_note(results: dict) -> str | None:
     for arm in results["arms"]:
         if arm.get("distill"):
             d = arm["distill"]
-            settings.setdefault((d["teacher"], d["temperature"], d["alpha"]), []).append(f"`{arm['name']}`")
+            key = (d["teacher"], d["temperature"], d["alpha"], d.get("cache_top_k"))
+            settings.setdefault(key, []).append(f"`{arm['name']}`")
     notes = [
         f"Fine-tuned by distillation from the teacher `{teacher}` (temperature {t:g}, alpha {a:g}; loss = "
-        f"alpha T^2 KL(teacher || student) + (1 - alpha) LM loss): {', '.join(names)}."
-        for (teacher, t, a), names in settings.items()
+        f"alpha T^2 KL(teacher || student) + (1 - alpha) LM loss"
+        + (f"; the KL over the teacher's cached top-{k} tokens" if k else "")
+        + f"): {', '.join(names)}."
+        for (teacher, t, a, k), names in settings.items()
     ]
     return " ".join(notes) or None
 
