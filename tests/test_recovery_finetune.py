@@ -89,6 +89,8 @@ def test_streamed_files_pack_in_order_and_the_hub_path_reads_the_same(tmp_path):
     assert torch.equal(torch.from_numpy(np.array(blocks.blocks)).reshape(-1).long(), expected[:80])
     assert blocks[2]["index"] == 2 and blocks[2]["input_ids"].tolist() == expected[32:48].tolist()
     assert stream_blocks(spec.finetune.data, tokenizer, 16, 5, tmp_path / "blocks") == path  # packed once
+    short = load_blocks(stream_blocks(spec.finetune.data, tokenizer, 16, 10_000, tmp_path / "short"))
+    assert len(short) == expected.numel() // 16  # a stream shorter than the budget gives what it has
     # the Hub branch (datasets.load_dataset(path, name, split=..., streaming=True)) on a local directory
     hub = validate_recipe({**BASE, "finetune": {"tokens": 100, "data": {"hub": {"path": str(tmp_path / "corpus")}}}})
     via_hub = load_blocks(stream_blocks(hub.finetune.data, tokenizer, 16, 5, tmp_path / "hub"))
@@ -274,8 +276,11 @@ def test_a_masked_lm_cannot_cache_its_teacher_and_missing_files_are_named(tmp_pa
     bert = {"model": {"architecture": "bert", "config": {"num_hidden_layers": 2}},
             "data": {"synthetic": {}, "tokenizer": {"kind": "word"}}, "train": {"max_steps": 1},
             "prune": {"arms": [{"criterion": "magnitude", "amount": 1}]}}  # fmt: skip
+    tiny_model("llama").save_pretrained(tmp_path / "llama")
+    llama = {**BASE, "model": {"path": str(tmp_path / "llama")}, "train": None}
     for recipe, message in [
         ({**bert, "finetune": {"max_steps": 1, "distill": {"cache_top_k": 8}}}, "cache_top_k: a masked LM"),
+        ({**llama, "finetune": {"max_steps": 1, "distill": {"cache_top_k": 65}}}, r"vocabulary \(64 tokens\)"),
         ({**BASE, "finetune": {"tokens": 9, "data": {"files": ["nowhere.txt"]}}}, r"files\[0\]: .*nowhere.txt does"),
     ]:
         path = tmp_path / "r.yaml"

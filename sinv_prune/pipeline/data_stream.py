@@ -6,8 +6,8 @@
 * :func:`pack_rows` tokenises the rows one by one (the separator rule of
   :func:`sinv_prune.pipeline.data.token_ids`) and packs them into consecutive ``seq_len`` blocks;
 * :func:`stream_blocks` takes the first ``n`` blocks of the stream onto disk once per run (an int32
-  ``.npy`` file, memory-mapped when read), so every arm, every epoch and every process sees the same
-  blocks in the same order;
+  ``.npy`` file written and read memory-mapped, so a large budget never sits in memory whole), so every
+  arm, every epoch and every process sees the same blocks in the same order;
 * :class:`Blocks` is the ``torch`` dataset the Trainer reads: ``input_ids`` and the block's ``index``
   (which the cached distillation looks its teacher rows up by; the Trainer drops it otherwise).
 """
@@ -132,22 +132,24 @@ def stream_blocks(spec, tokenizer, seq_len: int, count: int, directory: Path, re
     from sinv_prune.pipeline.rundir import write_dir
 
     target = Path(directory) / stream_key(spec, tokenizer, seq_len, count)
-    if (target / "blocks.npy").is_file():
+    if (target / "meta.json").is_file():
         return target / "blocks.npy"
-    out = np.empty((count, seq_len), dtype=np.int32)
-    n = 0
-    for block in pack_rows(stream_rows(spec, resolve), tokenizer, seq_len):
-        out[n] = block
-        n += 1
-        if n == count:
-            break
-    if n == 0:
-        raise ValueError(f"finetune.data: the source makes no block of {seq_len} tokens")
-    if n < count:
-        logger.info("finetune.data: the stream ends after %d of the %d blocks wanted; they repeat", n, count)
 
     def write(d: Path) -> None:
-        np.save(d / "blocks.npy", out[:n])
+        # Straight into a memory-mapped file: a large budget never sits in memory whole.
+        out = np.lib.format.open_memmap(d / "blocks.npy", mode="w+", dtype=np.int32, shape=(count, seq_len))
+        n = 0
+        for block in pack_rows(stream_rows(spec, resolve), tokenizer, seq_len):
+            out[n] = block
+            n += 1
+            if n == count:
+                break
+        out.flush()
+        del out
+        if n == 0:
+            raise ValueError(f"finetune.data: the source makes no block of {seq_len} tokens")
+        if n < count:
+            logger.info("finetune.data: the stream ends after %d of the %d blocks wanted; they repeat", n, count)
         (d / "meta.json").write_text(json.dumps({"blocks": n, "seq_len": seq_len, "wanted": count}))
 
     write_dir(target, write)
@@ -155,8 +157,9 @@ def stream_blocks(spec, tokenizer, seq_len: int, count: int, directory: Path, re
 
 
 def load_blocks(path: Path) -> Blocks:
-    """:class:`Blocks` over a saved ``blocks.npy``, memory-mapped."""
-    return Blocks(np.load(path, mmap_mode="r"))
+    """:class:`Blocks` over a saved ``blocks.npy``, memory-mapped (the blocks the stream filled: ``meta.json``)."""
+    filled = json.loads((Path(path).parent / "meta.json").read_text())["blocks"]
+    return Blocks(np.load(path, mmap_mode="r")[:filled])
 
 
 def finetune_blocks(run) -> Blocks:
