@@ -252,6 +252,7 @@ def test_a_recipe_budgets_streams_caches_and_draws_its_recovery_curve(tmp_path):
     dry = CliRunner().invoke(main, ["run", str(path), "--dry-run"])
     assert dry.exit_code == 0, dry.output
     assert "distill cache" in dry.output and "8 steps of 4x32" in dry.output  # ceil(1000 / 128)
+    assert "4 recovery-curve points" in dry.output  # as many as the run takes (below)
     result = CliRunner().invoke(main, ["run", str(path), "--output", str(tmp_path / "out"), "--quiet"])
     assert result.exit_code == 0, result.output
     out = tmp_path / "out"

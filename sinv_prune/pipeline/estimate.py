@@ -424,7 +424,8 @@ def _finetune_rows(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> list
 
 
 def _curve_s(recipe: Recipe, probe: Probe, tokens: dict[str, int], steps: int) -> tuple[float, int] | None:
-    """Seconds and points of one arm's recovery curve (perplexity windows only; tasks are in their own rows)."""
+    """Seconds and points of one arm's recovery curve: perplexity windows and ``evaluate.tasks`` per point."""
+    from sinv_prune.pipeline.tasks import task_seconds
     from sinv_prune.pipeline.training import tokens_per_step
 
     spec, data = recipe.finetune, recipe.data
@@ -437,7 +438,8 @@ def _curve_s(recipe: Recipe, probe: Probe, tokens: dict[str, int], steps: int) -
     n = min(tokens.get(split, 0), limit)
     windows = math.ceil(max(n - data.seq_len, 0) / (data.eval_stride or data.seq_len)) + 1
     batch = recipe.evaluate.window_batch_size
-    return points * math.ceil(windows / batch) * probe.forward(batch * data.seq_len), points
+    tasks = task_seconds(recipe, probe)[0] if recipe.evaluate.tasks else 0.0
+    return points * (math.ceil(windows / batch) * probe.forward(batch * data.seq_len) + tasks), points
 
 
 def _prune_row(recipe: Recipe, arm, probe: Probe, tokens: dict[str, int], copy_save: float) -> Row:

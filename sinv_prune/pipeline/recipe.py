@@ -186,7 +186,7 @@ class FinetuneData(Strict):
     """``finetune.data``: the fine-tune's own training text, streamed and packed into ``data.seq_len`` blocks.
 
     One source: ``files`` (a text file, a list of them, or a directory whose ``*.txt`` files are read in
-    name order; relative to the recipe) or ``hub`` (:class:`HubData`: a ``datasets`` id with ``name``,
+    name order; relative to the recipe) or ``hub`` (:class:`HubStream`: a ``datasets`` id with ``name``,
     ``split`` and ``text_column``). The source is read with ``datasets.load_dataset(..., streaming=True)``
     (``streaming: false`` downloads / prepares it first), tokenised row by row and packed into
     consecutive blocks; only as many blocks as the fine-tune's budget needs are read, in order, and kept
@@ -315,6 +315,7 @@ class TrainSpec(Strict):
     ``distill`` (:class:`DistillSpec`, ``finetune`` only) makes the loss a distillation loss; with
     ECD, ``F0`` must then sit below that combined loss. ``gradient_checkpointing`` recomputes
     activations in the backward pass (less memory, about a third more time).
+    ``gradient_accumulation_steps`` micro-batches of ``batch_size`` make one optimizer step.
     """
 
     #: Whether ``distill`` may be set: only the fine-tune has a teacher (the model ``train`` produces).
