@@ -245,7 +245,11 @@ def tiny_recipe(tmp_path) -> dict:
     }
 
 
-def test_a_recipe_budgets_streams_caches_and_draws_its_recovery_curve(tmp_path):
+def test_a_recipe_budgets_streams_caches_and_draws_its_recovery_curve(tmp_path, monkeypatch):
+    """Interrupted in the second arm's fine-tune, resumed: one packed stream, one cache, whole curves."""
+    from sinv_prune.pipeline import distill_cache
+    from sinv_prune.pipeline import stages as pipeline
+
     recipe = tiny_recipe(tmp_path)
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -253,8 +257,25 @@ def test_a_recipe_budgets_streams_caches_and_draws_its_recovery_curve(tmp_path):
     assert dry.exit_code == 0, dry.output
     assert "distill cache" in dry.output and "8 steps of 4x32" in dry.output  # ceil(1000 / 128)
     assert "4 recovery-curve points" in dry.output  # as many as the run takes (below)
-    result = CliRunner().invoke(main, ["run", str(path), "--output", str(tmp_path / "out"), "--quiet"])
+    calls, builds = [], []
+    real_trainer, real_build = pipeline.run_trainer, distill_cache.build_cache
+
+    def interrupt_second(*args, **kwargs):
+        if kwargs.get("teacher_cache") is not None:
+            calls.append(kwargs["teacher_cache"])
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+        return real_trainer(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_trainer", interrupt_second)
+    monkeypatch.setattr(distill_cache, "build_cache", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_recipe(validate_recipe(recipe), tmp_path / "out", quiet=True)
+    assert len(calls) == 2 and calls[0] is calls[1]  # one cache for both arms
+    built = (calls[0].path / "meta.json").stat().st_mtime_ns
+    result = CliRunner().invoke(main, ["run", str(path), "--output", str(tmp_path / "out"), "--quiet", "--resume"])
     assert result.exit_code == 0, result.output
+    assert len(builds) == 2 and (calls[0].path / "meta.json").stat().st_mtime_ns == built  # found by its key
     out = tmp_path / "out"
     results = json.loads((out / "results.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert len(list((out / "distill_cache").iterdir())) == 1  # one cache for both arms
