@@ -530,3 +530,12 @@ def test_scripts_import_each_other_without_cycles():
 
     cycles = [c for name in sorted(graph) if (c := cycle_from(name, name, [name]))]
     assert not cycles, f"scripts import each other in a cycle: {' -> '.join(cycles[0])}"
+
+
+def test_bench_distill_cache_quick(tmp_path, capsys):
+    argv = ["--quick", "--json", str(tmp_path / "d.json")]
+    result, out = _run("bench_distill_cache", argv, capsys)
+    _header(out, "bench_distill_cache", argv)
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "tokens/s" not in line]
+    assert rows == ["live teacher", "top-k cache"] and "ratio cache / live:" in out
+    assert len(result["live_tokens_per_s"]) == len(result["cache_tokens_per_s"]) == 1 and result["ratio"] > 0

@@ -16,6 +16,10 @@ not of the model: it is never wrapped by DDP, never saved in checkpoints; it run
 dropout is off and symmetry-breaking biases use their mean), without gradients, moved on first use
 to the trainer's device and the student's dtype. Evaluation batches keep the plain LM loss, so
 ``eval_loss`` stays a perplexity.
+
+With a ``cache`` (:class:`sinv_prune.pipeline.distill_cache.TeacherCache`, ``distill.cache_top_k``) there is
+no teacher at training time: each batch carries its blocks' ``index``, the cached top-k rows are looked
+up by it and the KL is :func:`~sinv_prune.pipeline.distill_cache.topk_kl` over the teacher's top-k support.
 """
 
 from __future__ import annotations
@@ -68,12 +72,26 @@ class DistillMixin:
 
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, teacher: nn.Module, temperature: float = 2.0, alpha: float = 0.5, causal: bool, **kw):
+    def __init__(
+        self,
+        *args,
+        teacher: nn.Module | None = None,
+        temperature: float = 2.0,
+        alpha: float = 0.5,
+        causal: bool,
+        cache=None,
+        **kw,
+    ):
         if not temperature > 0:
             raise ValueError(f"distillation temperature must be > 0, got {temperature}")
         if not 0 <= alpha <= 1:
             raise ValueError(f"distillation alpha must be in [0, 1], got {alpha}")
-        self.teacher = teacher.eval().requires_grad_(False)
+        if (teacher is None) == (cache is None):
+            raise ValueError("distillation needs a teacher model or a teacher cache (one of the two)")
+        if cache is not None and not causal:
+            raise ValueError("a teacher cache is for causal LMs (a masked LM's teacher sees a new masking each step)")
+        self.teacher = teacher.eval().requires_grad_(False) if teacher is not None else None
+        self.cache = cache
         self.temperature, self.alpha, self.causal = float(temperature), float(alpha), causal
         self._teacher_placed: tuple | None = None
         self._distill_logged: list[torch.Tensor] = []
@@ -81,15 +99,28 @@ class DistillMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
+            inputs = {k: v for k, v in inputs.items() if k != "index"}
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         labels = inputs.get("labels")
         if labels is None:
             raise ValueError("distillation needs 'labels' in the batch: they say which tokens count")
+        index = inputs.get("index")
+        inputs = {k: v for k, v in inputs.items() if k != "index"}
+        if self.cache is not None and index is None:
+            raise ValueError("distillation from a teacher cache needs the blocks' 'index' in the batch")
         # No num_items_in_batch: the LM loss is this micro-batch's mean, like the KL term.
         lm_loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
         student_logits = outputs["logits"]
-        teacher_logits = self._teacher_logits(inputs).to(student_logits.device)
-        kl = distillation_kl(student_logits, teacher_logits, labels, temperature=self.temperature, causal=self.causal)
+        if self.cache is not None:
+            from sinv_prune.pipeline.distill_cache import topk_kl
+
+            values, ids = self.cache.rows(index, student_logits.device)
+            kl = topk_kl(student_logits, values, ids, labels, temperature=self.temperature, causal=self.causal)
+        else:
+            teacher_logits = self._teacher_logits(inputs).to(student_logits.device)
+            kl = distillation_kl(
+                student_logits, teacher_logits, labels, temperature=self.temperature, causal=self.causal
+            )
         loss = self.alpha * self.temperature**2 * kl + (1 - self.alpha) * lm_loss
         self._distill_logged.append(torch.stack([kl.detach(), lm_loss.detach().mean().float()]))
         return (loss, outputs) if return_outputs else loss

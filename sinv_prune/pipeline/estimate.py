@@ -381,12 +381,7 @@ def estimate_stages(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> lis
     for arm in recipe.prune.arms:
         rows.append(_prune_row(recipe, arm, probe, tokens, copy_save))
     if recipe.finetune is not None:
-        split = "train" if "train" in tokens else "valid"
-        for i, arm in enumerate(recipe.prune.arms):
-            load = probe.build_s + probe.param_bytes / probe.read_bps
-            first = recipe.train is None and i == 0
-            seconds, what = _trainer_s(recipe.finetune, probe, recipe.data.seq_len, tokens.get(split), first=first)
-            rows.append(Row(f"finetune {arm.label}", load + seconds, what))
+        rows += _finetune_rows(recipe, probe, tokens)
     rows.append(_evaluate_row(recipe, probe, tokens))
     rows += estimate_task_rows(recipe, probe)
     if recipe.export is not None and recipe.export.gguf is not None:
@@ -402,6 +397,52 @@ COMPENSATION_FORWARDS = {"lsq": 2.6, "obs": 2.6, "bias": 1.3}
 #: Forwards over the calibration tokens shrink's statistics pass costs (a forward plus the consumers' Gram
 #: products) and its closing held-out comparison (up to three passes over 1/8 of them).
 SHRINK_FORWARDS = 2.5
+
+
+def _finetune_rows(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> list[Row]:
+    """The teacher cache (once, ``distill.cache_top_k``), then every arm's fine-tune with its recovery-curve points."""
+    spec, seq_len = recipe.finetune, recipe.data.seq_len
+    split_tokens_ = None if spec.data is not None else tokens.get("train" if "train" in tokens else "valid")
+    steps = _steps(spec, seq_len, split_tokens_)
+    load = probe.build_s + probe.param_bytes / probe.read_bps
+    rows = []
+    if spec.distill is not None and spec.distill.cache_top_k:
+        blocks = steps * spec.batch_size * spec.gradient_accumulation_steps
+        if split_tokens_ is not None:
+            blocks = min(blocks, split_tokens_ // seq_len)
+        k = spec.distill.cache_top_k
+        size = blocks * seq_len * k * (6 if spec.distill.cache_dtype == "float16" else 8)
+        batch = recipe.evaluate.window_batch_size  # the cache's teacher batches
+        seconds = load + math.ceil(blocks / batch) * probe.forward(batch * seq_len) + size / probe.write_bps
+        what = f"teacher over {blocks * seq_len:,} tokens, top-{k}: {size / 1e9:.2f} GB"
+        rows.append(Row("distill cache", seconds, what))
+    curve = _curve_s(recipe, probe, tokens, steps)
+    for i, arm in enumerate(recipe.prune.arms):
+        first = recipe.train is None and i == 0
+        seconds, what = _trainer_s(spec, probe, seq_len, split_tokens_, first=first)
+        if curve:
+            what += f"; {curve[1]} recovery-curve points"
+        rows.append(Row(f"finetune {arm.label}", load + seconds + (curve[0] if curve else 0.0), what))
+    return rows
+
+
+def _curve_s(recipe: Recipe, probe: Probe, tokens: dict[str, int], steps: int) -> tuple[float, int] | None:
+    """Seconds and points of one arm's recovery curve: perplexity windows and ``evaluate.tasks`` per point."""
+    from sinv_prune.pipeline.tasks import task_seconds
+    from sinv_prune.pipeline.training import tokens_per_step
+
+    spec, data = recipe.finetune, recipe.data
+    if spec.eval_every_tokens is None:
+        return None
+    seen = steps * tokens_per_step(spec, data.seq_len)
+    points = 2 + seen // spec.eval_every_tokens  # 0 tokens, every multiple, the end
+    split = "test" if "test" in tokens else "valid"
+    limit = spec.eval_max_tokens or data.max_eval_tokens or math.inf
+    n = min(tokens.get(split, 0), limit)
+    windows = math.ceil(max(n - data.seq_len, 0) / (data.eval_stride or data.seq_len)) + 1
+    batch = recipe.evaluate.window_batch_size
+    tasks = task_seconds(recipe, probe)[0] if recipe.evaluate.tasks else 0.0
+    return points * (math.ceil(windows / batch) * probe.forward(batch * data.seq_len) + tasks), points
 
 
 def _prune_row(recipe: Recipe, arm, probe: Probe, tokens: dict[str, int], copy_save: float) -> Row:
@@ -455,8 +496,10 @@ def _train_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:
 
 
 def _steps(spec: TrainSpec, seq_len: int, split_tokens_: int | None) -> int:
-    if spec.max_steps:
-        return spec.max_steps
+    from sinv_prune.pipeline.training import planned_steps
+
+    if planned_steps(spec, seq_len):  # max_steps, or a fine-tune's token budget (one process)
+        return planned_steps(spec, seq_len)
     blocks = (split_tokens_ or 0) // seq_len
     return math.ceil(spec.epochs * math.ceil(blocks / spec.batch_size))
 
@@ -467,14 +510,19 @@ def _trainer_s(
     """A Trainer run: its steps, its checkpoints (weights + optimizer state) and the final save;
     the ``first`` of the run also imports the Trainer."""
     steps = _steps(spec, seq_len, split_tokens_)
-    step_s = probe.forward_backward(spec.batch_size * seq_len) + probe.optimizer_s.get(spec.optimizer, 0.0)
-    if getattr(spec, "distill", None) is not None:
-        step_s += probe.forward(spec.batch_size * seq_len)  # the teacher's forward
+    micro = spec.batch_size * seq_len
+    accumulation = spec.gradient_accumulation_steps
+    step_s = accumulation * probe.forward_backward(micro) + probe.optimizer_s.get(spec.optimizer, 0.0)
+    distill = getattr(spec, "distill", None)
+    if distill is not None and not distill.cache_top_k:
+        step_s += accumulation * probe.forward(micro)  # the teacher's forward (a cache runs it once: its own row)
     checkpoints = math.ceil(steps / spec.save_every)
     checkpoint_bytes = probe.param_bytes + probe.optimizer_bytes.get(spec.optimizer, 0)
     saves = (checkpoints * checkpoint_bytes + probe.param_bytes) / probe.write_bps
     seconds = TRAINER_START_S + (probe.trainer_import_s if first else 0.0) + steps * step_s + saves
-    return seconds, f"{steps} steps of {spec.batch_size}x{seq_len} tokens at {step_s:.2f}s, {checkpoints} checkpoint(s)"
+    what = f"{steps} steps of {spec.batch_size}x{seq_len}"
+    what += f"x{accumulation}" if accumulation > 1 else ""
+    return seconds, f"{what} tokens at {step_s:.2f}s, {checkpoints} checkpoint(s)"
 
 
 def _score_rows(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> list[Row]:

@@ -80,6 +80,28 @@ def check_symmetry_breaking(recipe: Recipe, adapter: HeadAdapter) -> None:
             raise RecipeError(f"{stage}.symmetry_breaking: {first_line(err)}") from None
 
 
+def check_finetune(recipe: Recipe, model) -> None:
+    """``finetune.data``'s local files exist; a teacher cache only for a causal LM, ``k`` within a pretrained
+    model's vocabulary (a model from scratch takes the tokenizer's size, known once it is trained)."""
+    spec = recipe.finetune
+    if spec is None:
+        return
+    files = spec.data.files if spec.data is not None else None
+    for i, name in enumerate([files] if isinstance(files, str) else files or []):
+        if not Path(recipe.resolve(name)).exists():
+            where = "finetune.data.files" + ("" if isinstance(files, str) else f"[{i}]")
+            raise RecipeError(f"{where}: {recipe.resolve(name)} does not exist")
+    k = spec.distill.cache_top_k if spec.distill is not None else None
+    if k and is_masked_lm(model):
+        raise RecipeError(
+            "finetune.distill.cache_top_k: a masked LM's teacher sees a new masking every step, "
+            "so its logits cannot be cached; drop cache_top_k"
+        )
+    vocab = getattr(model.config, "vocab_size", None)
+    if k and not recipe.model.scratch and vocab and k > vocab:
+        raise RecipeError(f"finetune.distill.cache_top_k: {k} is more than the model's vocabulary ({vocab} tokens)")
+
+
 def arm_parts(recipe: Recipe):
     """``(key path, part)`` for every part of every arm: ``prune.arms[1]`` or ``prune.arms[1].parts[0]``."""
     for i, arm in enumerate(recipe.prune.arms):
@@ -126,6 +148,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     check_symmetry_breaking(recipe, adapter)
     check_compensation(recipe, adapter)
     check_recipe_tasks(recipe, is_masked_lm(adapter.model))
+    check_finetune(recipe, adapter.model)
     check_export(recipe, adapter)
     check_auto(recipe, adapter)
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]

@@ -169,8 +169,47 @@ class FileData(Strict):
 
 
 class HubData(Strict):
+    """A ``datasets`` dataset: a Hub id (or a local dataset directory), its config ``name``; ``text_column`` is read."""
+
     path: str
     name: str | None = None
+    text_column: str = "text"
+
+
+class HubStream(HubData):
+    """``finetune.data.hub``: :class:`HubData` plus the one ``split`` that is streamed."""
+
+    split: str = "train"
+
+
+class FinetuneData(Strict):
+    """``finetune.data``: the fine-tune's own training text, streamed and packed into ``data.seq_len`` blocks.
+
+    One source: ``files`` (a text file, a list of them, or a directory whose ``*.txt`` files are read in
+    name order; relative to the recipe) or ``hub`` (:class:`HubStream`: a ``datasets`` id with ``name``,
+    ``split`` and ``text_column``). The source is read with ``datasets.load_dataset(..., streaming=True)``
+    (``streaming: false`` downloads / prepares it first), tokenised row by row and packed into
+    consecutive blocks; only as many blocks as the fine-tune's budget needs are read, in order, and kept
+    on disk under the run directory (``finetune_data/``), so every arm trains on the same blocks. A
+    stream has no length: give ``finetune.tokens`` or ``finetune.max_steps``.
+
+    .. code-block:: yaml
+
+        finetune: {tokens: 2_000_000, data: {hub: {path: HuggingFaceFW/fineweb-edu, name: sample-10BT}}}
+    """
+
+    files: str | list[str] | None = None
+    hub: HubStream | None = None
+    streaming: bool = True
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = [k for k in ("files", "hub") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one source of files, hub (got {given or 'none'})")
+        if isinstance(self.files, list) and not self.files:
+            raise ValueError("files: the list is empty")
+        return self
 
 
 class TokenizerSpec(Strict):
@@ -236,11 +275,19 @@ class DistillSpec(Strict):
     ``alpha: 1`` is pure distillation, ``alpha: 0`` plain LM fine-tuning. ``teacher``: ``base``
     (the run's unpruned starting model, after ``train`` if there is one) or a local checkpoint
     directory (relative to the recipe file) with the same vocabulary. See :mod:`sinv_prune.pipeline.distill`.
+
+    ``cache_top_k: k``: the teacher runs once over the fine-tune's blocks before any arm trains, and its
+    ``k`` most likely tokens per position (log-probabilities at ``T``, stored as ``cache_dtype``, ids as
+    int32) are kept on disk under the run directory; the arms' steps then run the student alone and the
+    KL is taken over the teacher's top-k support (:mod:`sinv_prune.pipeline.distill_cache`). The training
+    blocks are then read in order (no shuffling).
     """
 
     teacher: str = Field("base", min_length=1)
     temperature: float = Field(2.0, gt=0)
     alpha: float = Field(0.5, ge=0, le=1)
+    cache_top_k: int | None = Field(None, gt=0)
+    cache_dtype: Literal["float16", "float32"] = "float16"
 
 
 class LoraSpec(Strict):
@@ -268,6 +315,7 @@ class TrainSpec(Strict):
     ``distill`` (:class:`DistillSpec`, ``finetune`` only) makes the loss a distillation loss; with
     ECD, ``F0`` must then sit below that combined loss. ``gradient_checkpointing`` recomputes
     activations in the backward pass (less memory, about a third more time).
+    ``gradient_accumulation_steps`` micro-batches of ``batch_size`` make one optimizer step.
     """
 
     #: Whether ``distill`` may be set: only the fine-tune has a teacher (the model ``train`` produces).
@@ -278,6 +326,7 @@ class TrainSpec(Strict):
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
     batch_size: int = Field(16, gt=0)
+    gradient_accumulation_steps: int = Field(1, gt=0)
     learning_rate: float = Field(gt=0)
     weight_decay: float = Field(0.0, ge=0)
     optimizer: Literal["adamw", "sgd", "ecd", "soap"] = "adamw"
@@ -343,15 +392,36 @@ class FinetuneSpec(TrainSpec):
 
     ``lora`` (:class:`LoraSpec`) trains low-rank adapters instead of every weight; they are merged
     into the model before it is saved, so the fine-tuned checkpoint is a plain pruned model.
+
+    ``tokens``: a token budget instead of ``max_steps`` (not both): the fine-tune runs
+    ``ceil(tokens / tokens_per_step)`` optimizer steps, ``tokens_per_step = batch_size * data.seq_len *
+    gradient_accumulation_steps * processes``, so it sees at least the budget and less than one step more.
+    ``data`` (:class:`FinetuneData`): train on a streamed ``datasets`` source instead of the train split.
+    ``eval_every_tokens``: a recovery curve (:mod:`sinv_prune.pipeline.recovery`): perplexity on the
+    evaluation text (the first ``eval_max_tokens`` tokens of it; omitted: ``data.max_eval_tokens``) and
+    ``evaluate.tasks``, before the first step and each time another ``eval_every_tokens`` have been seen.
     """
 
     distill_allowed: ClassVar[bool] = True
     lora_allowed: ClassVar[bool] = True
 
+    tokens: int | None = Field(None, gt=0)
+    data: FinetuneData | None = None
+    eval_every_tokens: int | None = Field(None, gt=0)
+    eval_max_tokens: int | None = Field(None, gt=1)
+
     @model_validator(mode="after")
     def _lora_alone(self):
         if self.lora is not None and self.symmetry_breaking is not None:
             raise ValueError("lora: symmetry_breaking adds biases the adapters do not train; use one of the two")
+        return self
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        if self.tokens is not None and self.max_steps is not None:
+            raise ValueError("give tokens or max_steps, not both (tokens sets the steps)")
+        if self.data is not None and self.tokens is None and self.max_steps is None:
+            raise ValueError("data: a streamed source has no length; give tokens or max_steps")
         return self
 
 

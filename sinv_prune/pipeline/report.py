@@ -22,6 +22,10 @@ def write_report(root: Path, results: dict, recipe: Recipe, *, plots: bool = Tru
         figures.append(plot_perplexity_vs_params(results, root / "plots" / "perplexity_vs_params.png"))
         accuracy = plot_accuracy_vs_params(results, root / "plots" / "accuracy_vs_params.png")
         figures += [accuracy] if accuracy else []
+        from sinv_prune.pipeline.recovery import plot_recovery
+
+        curve = plot_recovery(results, root / "plots" / "recovery_curve.png")
+        figures += [curve] if curve else []
         trace = root / "trace.jsonl"
         if trace.exists():
             from sinv_prune.scoring.diagnostics import plot_trace, summarize_trace
@@ -168,11 +172,14 @@ def distill_note(results: dict) -> str | None:
     for arm in results["arms"]:
         if arm.get("distill"):
             d = arm["distill"]
-            settings.setdefault((d["teacher"], d["temperature"], d["alpha"]), []).append(f"`{arm['name']}`")
+            key = (d["teacher"], d["temperature"], d["alpha"], d.get("cache_top_k"))
+            settings.setdefault(key, []).append(f"`{arm['name']}`")
     notes = [
         f"Fine-tuned by distillation from the teacher `{teacher}` (temperature {t:g}, alpha {a:g}; loss = "
-        f"alpha T^2 KL(teacher || student) + (1 - alpha) LM loss): {', '.join(names)}."
-        for (teacher, t, a), names in settings.items()
+        f"alpha T^2 KL(teacher || student) + (1 - alpha) LM loss"
+        + (f"; the KL over the teacher's cached top-{k} tokens" if k else "")
+        + f"): {', '.join(names)}."
+        for (teacher, t, a, k), names in settings.items()
     ]
     return " ".join(notes) or None
 
@@ -197,6 +204,22 @@ def recovery_note(results: dict) -> str | None:
         if parts:
             notes.append(f"`{arm['name']}`: " + "; ".join(parts) + ".")
     return " ".join(notes) or None
+
+
+def curve_note(results: dict) -> str | None:
+    """Each recovery curve's first and last points (``finetune.eval_every_tokens``; all points in results.json)."""
+    notes = []
+    for arm in results["arms"]:
+        points = arm.get("recovery_curve") or []
+        if len(points) >= 2 and points[0].get("perplexity") is not None and points[-1].get("perplexity") is not None:
+            first, last = points[0], points[-1]
+            notes.append(f"`{arm['name']}` {first['perplexity']:.4g} at 0 tokens -> {last['perplexity']:.4g} at "
+                         f"{last['tokens']:,} ({len(points)} points)")  # fmt: skip
+    if not notes:
+        return None
+    return "Recovery curve (perplexity on the evaluation text while fine-tuning; plots/recovery_curve.png): " + (
+        "; ".join(notes) + "."
+    )
 
 
 def _kept(comp: dict) -> str:
@@ -239,7 +262,7 @@ def markdown_report(results: dict, recipe: Recipe) -> str:
     note = speed_note(results)
     if note:
         lines += ["", note]
-    for note in (distill_note(results), recovery_note(results), allocation_note(results)):
+    for note in (distill_note(results), recovery_note(results), allocation_note(results), curve_note(results)):
         if note:
             lines += ["", note]
     crossed = [a for a in results["arms"] if "crossed" in a.get("score_report", {})]

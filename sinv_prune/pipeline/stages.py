@@ -216,7 +216,7 @@ def load_corpus(recipe: Recipe):
     if spec.files is not None:
         files = {k: recipe.resolve(v) for k, v in spec.files.model_dump().items() if v is not None}
         return data_mod.load_text_splits(files)
-    return data_mod.load_text_splits(spec.hub.path, spec.hub.name)
+    return data_mod.load_text_splits(spec.hub.path, spec.hub.name, text_column=spec.hub.text_column)
 
 
 def _eval_split(run: Run) -> str:
@@ -537,17 +537,19 @@ def _calibration_batches(run: Run, spec) -> list[dict]:
 
 
 def stage_finetune(run: Run) -> None:
-    """Fine-tune every arm (LM loss, or distillation from one teacher loaded once for all arms).
+    """Fine-tune every arm (LM loss, or distillation from one teacher loaded once for all arms, or from its
+    top-k logits cached once for all arms: ``distill.cache_top_k``), on the same blocks.
 
     Every process loads the pruned arm from disk and trains it; the main process saves it.
     """
+    from sinv_prune.pipeline.data_stream import finetune_blocks
+
     spec = run.recipe.finetune
     if spec is None or run.dir.done("finetune"):
         return
     main = run.ranks.is_main
-    seq = run.recipe.data.seq_len
-    train_split = "train" if "train" in run.ids else "valid"
-    teacher = None
+    blocks = finetune_blocks(run)
+    teacher, cache = None, None
     for arm in run.recipe.prune.arms:
         state = run.dir.arm(arm.label)
         arm_dir = run.root / "arms" / _safe(arm.label)
@@ -556,14 +558,20 @@ def stage_finetune(run: Run) -> None:
                 _drop_checkpoints(run, arm_dir / "checkpoints")
             continue
         model = load_saved(run, run.root / state["pruned_dir"])
-        if spec.distill is not None and teacher is None:
+        if spec.distill is not None and spec.distill.cache_top_k and cache is None:
+            from sinv_prune.pipeline.distill_cache import run_cache
+
+            cache = run_cache(run, blocks, lambda m=model: to_device(load_teacher(run, m), run.device))
+            release()
+        elif spec.distill is not None and not spec.distill.cache_top_k and teacher is None:
             teacher = load_teacher(run, model)
         if spec.lora is not None:
             model = wrap_lora(model, spec.lora)
+        callbacks = _recovery_callbacks(run, model, arm_dir)
         out = run_trainer(
             model,
             run.tokenizer,
-            data_mod.lm_blocks(run.ids[train_split], seq),
+            blocks,
             None,
             spec,
             arm_dir / "checkpoints",
@@ -571,31 +579,55 @@ def stage_finetune(run: Run) -> None:
             seed=run.recipe.seed,
             device=run.device,
             quiet=run.quiet,
+            callbacks=callbacks,
             resume=True,
             teacher=teacher,
+            teacher_cache=cache,
             desc=f"fine-tuning {arm.label}",
         )
         if spec.lora is not None:
             model = merge_lora(model)
-        _on_main(run, functools.partial(_save_finetuned, run, model, arm_dir, state, out))
+        curve = callbacks[0].points if callbacks else None
+        _on_main(run, functools.partial(_save_finetuned, run, model, arm_dir, state, out, curve, blocks.seq_len))
         del model, out
         release()
-    del teacher
+    del teacher, cache
     release()
     _on_main(run, lambda: run.dir.finish("finetune"))
 
 
-def _save_finetuned(run: Run, model, arm_dir: Path, state: dict, out) -> None:
+def _recovery_callbacks(run: Run, model, arm_dir: Path) -> list:
+    """``[RecoveryCurve]`` when the recipe asks for a recovery curve (``finetune.eval_every_tokens``), else ``[]``."""
+    spec = run.recipe.finetune
+    if spec.eval_every_tokens is None:
+        return []
+    from sinv_prune.pipeline.recovery import RecoveryCurve, curve_evaluator
+
+    evaluate = curve_evaluator(run, is_masked_lm(model))
+    return [RecoveryCurve(evaluate, spec.eval_every_tokens, run.recipe.data.seq_len, arm_dir / "recovery.json")]
+
+
+def _save_finetuned(run: Run, model, arm_dir: Path, state: dict, out, curve, seq_len: int) -> None:
+    from sinv_prune.pipeline.training import tokens_per_step
+
     spec = run.recipe.finetune
     _save_model(model, run.tokenizer, arm_dir / "finetuned")
     state.update(finetuned=True, finetuned_dir=str((arm_dir / "finetuned").relative_to(run.root)))
-    state["finetune"] = {"steps": out.global_step, "train_loss": out.training_loss}
-    logger.info("arm %s: fine-tuned %d steps, train loss %.4f, %.0f s", arm_dir.name, out.global_step,
-                out.training_loss, out.metrics.get("train_runtime", 0.0), extra=CONSOLE)  # fmt: skip
+    seen = out.global_step * tokens_per_step(spec, seq_len, run.ranks.world_size)
+    state["finetune"] = {"steps": out.global_step, "tokens": seen, "train_loss": out.training_loss}
+    logger.info("arm %s: fine-tuned %d steps (%d tokens), train loss %.4f, %.0f s", arm_dir.name, out.global_step,
+                seen, out.training_loss, out.metrics.get("train_runtime", 0.0), extra=CONSOLE)  # fmt: skip
     if spec.distill is not None:
-        state["finetune"]["distill"] = spec.distill.model_dump()
+        distill = spec.distill.model_dump()
+        if distill["cache_top_k"] is None:
+            del distill["cache_top_k"], distill["cache_dtype"]
+        state["finetune"]["distill"] = distill
     if spec.lora is not None:
         state["finetune"]["lora"] = spec.lora.model_dump()
+    if curve is not None:
+        from sinv_prune.strict_json import null_non_finite
+
+        state["finetune"]["recovery_curve"] = null_non_finite(curve)[0]
     run.dir.save()
     _drop_checkpoints(run, arm_dir / "checkpoints")
 
@@ -721,6 +753,8 @@ def stage_evaluate(run: Run) -> dict:
             row["finetuned"] = evaluate_model(run, tuned, f"{arm.label} (fine-tuned)", offload=offload)
             row["model_dir"] = state["finetuned_dir"]
             row["distill"] = state.get("finetune", {}).get("distill")
+            row["finetune_tokens"] = state.get("finetune", {}).get("tokens")
+            row["recovery_curve"] = state.get("finetune", {}).get("recovery_curve")
             del tuned
         final = row.get("finetuned", row["pruned"])
         row["params"] = final["params"]

@@ -40,6 +40,27 @@ def check_recipe_tasks(recipe: Recipe, masked_lm: bool) -> None:
 _TASK_SETS: dict[tuple, tuple] = {}
 
 
+def task_seconds(recipe: Recipe, probe) -> tuple[float, list[str], int]:
+    """One model's ``evaluate.tasks`` in seconds (``wikitext_lastword`` only), what was counted, tasks not counted."""
+    import math
+
+    from sinv_prune.pipeline.estimate_row import CHARS_PER_TOKEN
+
+    spec = recipe.evaluate
+    seconds, counted = 0.0, []
+    if "wikitext_lastword" in spec.tasks:
+        from sinv_prune.lmeval.lastword import TASK_NAME, lastword_items, source_file
+
+        items = lastword_items(source_file().read_text(encoding="utf-8").splitlines())
+        limit = spec.limit if spec.limit is not None else len(items)
+        n = min(len(items), math.ceil(limit * len(items)) if isinstance(limit, float) else limit)
+        tokens = sum(len(it["context"]) + len(it["target"]) + 1 for it in items) / len(items) / CHARS_PER_TOKEN
+        batch = spec.window_batch_size  # auto: lm-eval's own choice on an accelerator is larger (errs long)
+        seconds = math.ceil(n / batch) * probe.forward(int(batch * tokens))
+        counted.append(f"{TASK_NAME} {n} items of ~{tokens:.0f} tokens")
+    return seconds, counted, len(spec.tasks) - len(counted)
+
+
 def _task_set(entries: tuple[str, ...], base_dir: str, build_dir: str):
     """The resolved tasks and lm-eval's task manager, kept while their directories exist (one run)."""
     from sinv_prune.lmeval import resolve_tasks
@@ -88,27 +109,14 @@ def estimate_rows(recipe: Recipe, probe) -> list:
     characters); other tasks' sizes are unknown before lm-eval loads them and are not counted.
     Each generated token is counted as a one-token forward.
     """
-    import math
-
-    from sinv_prune.pipeline.estimate_row import CHARS_PER_TOKEN, Row
+    from sinv_prune.pipeline.estimate_row import Row
     from sinv_prune.pipeline.generations import DEFAULT_PROMPTS, NEW_TOKENS
 
     spec = recipe.evaluate
     models = 1 + len(recipe.prune.arms) * (2 if recipe.finetune is not None else 1)
     rows = []
     if spec.tasks:
-        seconds, counted = 0.0, []
-        if "wikitext_lastword" in spec.tasks:
-            from sinv_prune.lmeval.lastword import TASK_NAME, lastword_items, source_file
-
-            items = lastword_items(source_file().read_text(encoding="utf-8").splitlines())
-            limit = spec.limit if spec.limit is not None else len(items)
-            n = min(len(items), math.ceil(limit * len(items)) if isinstance(limit, float) else limit)
-            tokens = sum(len(it["context"]) + len(it["target"]) + 1 for it in items) / len(items) / CHARS_PER_TOKEN
-            batch = spec.window_batch_size  # auto: lm-eval's own choice on an accelerator is larger (errs long)
-            seconds = math.ceil(n / batch) * probe.forward(int(batch * tokens))
-            counted.append(f"{TASK_NAME} {n} items of ~{tokens:.0f} tokens")
-        rest = len(spec.tasks) - len(counted)
+        seconds, counted, rest = task_seconds(recipe, probe)
         what = f"{models} models x " + ", ".join(counted or ["tasks"])
         what += f" (+{rest} tasks not counted)" if rest else ""
         rows.append(Row("evaluate tasks (lm-eval)", models * seconds, what))

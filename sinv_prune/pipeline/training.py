@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -70,6 +71,23 @@ def optimizer_cls_and_kwargs(spec: TrainSpec) -> tuple[type[torch.optim.Optimize
     return optimizer_class(spec.optimizer), {**args, "lr": spec.learning_rate}
 
 
+def tokens_per_step(spec: TrainSpec, seq_len: int, world_size: int = 1) -> int:
+    """Tokens one optimizer step trains on: ``batch_size * seq_len * gradient_accumulation_steps * world_size``."""
+    return spec.batch_size * seq_len * spec.gradient_accumulation_steps * world_size
+
+
+def budget_steps(tokens: int, per_step: int) -> int:
+    """Optimizer steps of a token budget: ``ceil(tokens / per_step)`` (at least the budget, less than a step more)."""
+    return math.ceil(tokens / per_step)
+
+
+def planned_steps(spec: TrainSpec, seq_len: int, world_size: int = 1) -> int | None:
+    """``max_steps``, or the steps of ``tokens`` (a fine-tune's budget); None when the epochs decide."""
+    if getattr(spec, "tokens", None):
+        return budget_steps(spec.tokens, tokens_per_step(spec, seq_len, world_size))
+    return spec.max_steps
+
+
 def _add_symmetry_breaking(model, spec) -> None:
     from sinv_prune.symmetry import add_symmetry_breaking, get_symmetry_breaking
 
@@ -94,19 +112,22 @@ def run_trainer(
     callbacks: list[TrainerCallback] = (),
     resume: bool = False,
     teacher: torch.nn.Module | None = None,
+    teacher_cache=None,
     desc: str = "training",
 ):
     """Train ``model`` in place; returns the Trainer's ``TrainOutput``. Checkpoints go to ``output_dir``.
 
-    ``desc`` names the stage on its progress bar or notes.
+    ``desc`` names the stage on its progress bar or notes. A budget of ``spec.tokens`` becomes
+    :func:`planned_steps` (``train_blocks`` give the sequence length, the launcher the processes).
 
     With ``spec.distill`` the loss is the distillation loss of :mod:`sinv_prune.pipeline.distill` against
-    ``teacher`` (required then; frozen, moved to the trainer's device, never saved).
+    ``teacher`` (frozen, moved to the trainer's device, never saved) or ``teacher_cache`` (one of the two;
+    the blocks are then read in order and each batch keeps its ``index`` column for the look-up).
     """
     distill = getattr(spec, "distill", None)
-    if distill is not None and teacher is None:
+    if distill is not None and teacher is None and teacher_cache is None:
         raise ValueError("spec.distill is set but no teacher model was given")
-    if distill is None and teacher is not None:
+    if distill is None and (teacher is not None or teacher_cache is not None):
         raise ValueError("a teacher model was given but spec.distill is not set")
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=mlm, mlm_probability=0.15, seed=seed)
     if spec.symmetry_breaking is not None:
@@ -120,6 +141,10 @@ def run_trainer(
         max_steps=spec.max_steps or -1,
         per_device_train_batch_size=spec.batch_size,
         per_device_eval_batch_size=spec.batch_size,
+        gradient_accumulation_steps=spec.gradient_accumulation_steps,
+        # cached teacher rows are looked up by the batch's block index: keep it, read the blocks in order
+        remove_unused_columns=teacher_cache is None,
+        train_sampling_strategy="sequential" if teacher_cache is not None else "random",
         learning_rate=spec.learning_rate,
         weight_decay=spec.weight_decay,
         max_grad_norm=max_grad_norm,
@@ -141,6 +166,8 @@ def run_trainer(
         # blocks gradients when their inputs are frozen (LoRA's embeddings).
         activation_checkpointing=spec.gradient_checkpointing,
     )
+    if getattr(spec, "tokens", None):
+        args.max_steps = planned_steps(spec, len(train_blocks[0]["input_ids"]), args.world_size)
     trainer_cls = Trainer
     if getattr(optimizer_cls, "requires_loss", False):  # ECD: its step needs the loss
         from sinv_prune.symmetry import ClosureTrainer
@@ -151,7 +178,8 @@ def run_trainer(
         from sinv_prune.pipeline.distill import distill_trainer_class
 
         trainer_cls = distill_trainer_class(trainer_cls)
-        extra = {"teacher": teacher, "temperature": distill.temperature, "alpha": distill.alpha, "causal": not mlm}
+        extra = {"teacher": teacher, "cache": teacher_cache, "temperature": distill.temperature,
+                 "alpha": distill.alpha, "causal": not mlm}  # fmt: skip
     trainer = trainer_cls(
         model=model,
         optimizer_cls_and_kwargs=(optimizer_cls, optimizer_kwargs),
