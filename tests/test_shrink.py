@@ -20,11 +20,19 @@ VOCAB = 96
 
 
 def tiny_llama(seed: int = 0, **overrides) -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=6,
-        num_key_value_heads=3, head_dim=8, max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
-        **overrides,
-    )  # fmt: skip
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=8,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    config = transformers.LlamaConfig(**{**settings, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval()
@@ -178,3 +186,15 @@ def test_refine_keeps_the_better_build_and_it_reloads(tmp_path):
     model.save_pretrained(tmp_path)
     ids = sequences()[3][None]
     torch.testing.assert_close(logits(sinv_prune.from_pretrained(tmp_path), ids), logits(model, ids))
+
+
+@pytest.mark.parametrize("stock", [True, False])
+def test_shrunk_models_pass_the_llama_cpp_round_trip(tmp_path, stock):
+    pytest.importorskip("llama_cpp")
+    model = tiny_llama(num_hidden_layers=5)
+    result = run(model, share=0.3, stock=stock, budget=10)
+    out = sinv_prune.export_gguf(model, None, tmp_path / "m.gguf", type="f32", verify=True, vocab=False)
+    assert out.verify.passed and out.verify.top1_agreement == 1.0, out.verify
+    assert out.verify.max_rel_diff < out.verify.worst_rtol
+    if stock:
+        assert result.record_stock is True
