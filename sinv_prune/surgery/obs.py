@@ -130,7 +130,13 @@ def _costs(hinv: torch.Tensor, w: torch.Tensor, width: int, alive: torch.Tensor)
     if width == 1:
         return w.square().sum(0) / hinv.diagonal().clamp_min(1e-30)
     units = alive.numel()
-    blocks = hinv.reshape(units, width, units, width).diagonal(dim1=0, dim2=2).permute(2, 0, 1).clone()
+    blocks = hinv.reshape(units, width, units, width).diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
     blocks[~alive] = torch.eye(width, dtype=blocks.dtype, device=blocks.device)  # removed: H^-1_SS = 0
-    wb = w.reshape(w.shape[0], units, width).permute(1, 2, 0)  # [units, w, out]
-    return (wb * torch.linalg.solve(blocks, wb)).sum((1, 2))
+    wb = w.reshape(w.shape[0], units, width).permute(1, 2, 0).contiguous()  # [units, w, out]
+    # The blocks of an SPD inverse are SPD: Cholesky (MKL's batched LU solve fails on some block sizes: 192)
+    factor, info = torch.linalg.cholesky_ex(blocks)
+    solved = torch.cholesky_solve(wb, factor)
+    bad = info != 0
+    if bad.any():
+        solved[bad] = torch.linalg.pinv(blocks[bad], hermitian=True) @ wb[bad]
+    return (wb * solved).sum((1, 2))
