@@ -31,6 +31,7 @@ def parse(argv):
     ap.add_argument("--cuts", nargs="+", type=float, default=[0.1, 0.25], help="shares of non-embedding params")
     ap.add_argument("--stock", action="store_true", help="shrink(stock=True): uniform shapes only")
     ap.add_argument("--budget", type=int, default=48, help="plans the search evaluates")
+    ap.add_argument("--refine", action="store_true", help="shrink(refine=True): also the sequential OBS build")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calib-sequences", type=int, help="calibration sequences of 512 tokens (default 64)")
     ap.add_argument("--eval-tokens", type=int, help="test.txt tokens evaluated (default 16384)")
@@ -40,6 +41,7 @@ def parse(argv):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", help="write every result here")
+    ap.add_argument("--save", help="save each shrunk model (and its tokenizer) under DIR/shrink-<cut>")
     args = ap.parse_args(argv)
     for key, (quick, full) in {"calib_sequences": (8, 64), "eval_tokens": (256, 16384), "seq_len": (64, 512),
                                "lastword": (4, 1403)}.items():  # fmt: skip
@@ -73,7 +75,8 @@ def main(argv=None) -> int:
         model = copy.deepcopy(base).eval()
         start = time.perf_counter()
         found = sinv_prune.shrink(model, cut, calibration=calib, length=length, stock=args.stock,
-                                  budget=args.budget, seed=args.seed, quiet=True, statistics=statistics)  # fmt: skip
+                                  budget=args.budget, seed=args.seed, quiet=True, statistics=statistics,
+                                  refine=args.refine)  # fmt: skip
         seconds = time.perf_counter() - start
         statistics = found.statistics  # the same model and calibration: the next cut skips the pass
         print(found, flush=True)
@@ -87,7 +90,11 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"  {100 * cut:4.0f}% shrink{' --stock' if args.stock else ''}: removed {removed:.2f}% ({share}), "
               f"ppl {value:.2f} ({row['ratio']:.3f}x), last-word {acc_text(acc)}, {seconds:.0f} s, "
-              f"kept {found.chosen}", flush=True)  # fmt: skip
+              f"kept {found.chosen} ({found.built})", flush=True)  # fmt: skip
+        if args.save:
+            target = f"{args.save}/shrink-{cut:g}{'-stock' if args.stock else ''}"
+            model.save_pretrained(target)
+            tokenizer.save_pretrained(target)
         del model
     print()
     print(common.table(["cut", "removed", "shares", "ppl", "ratio", "last-word", "search s"],
