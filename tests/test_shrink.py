@@ -198,3 +198,14 @@ def test_shrunk_models_pass_the_llama_cpp_round_trip(tmp_path, stock):
     assert out.verify.max_rel_diff < out.verify.worst_rtol
     if stock:
         assert result.record_stock is True
+
+
+def test_reused_statistics_give_the_same_cut_on_a_fresh_copy():
+    first, second, third = tiny_llama(), tiny_llama(), tiny_llama()
+    ra = run(first, seed=2)
+    rb = run(second, share=0.25, seed=2, statistics=ra.statistics)  # the pass of the (now pruned) first model
+    rc = run(third, share=0.25, seed=2)
+    assert rb.plan == rc.plan and rb.fitness == rc.fitness
+    assert heldout_ppl(second, sequences()) == pytest.approx(rb.heldout_ppl[rb.chosen], rel=1e-4)
+    with pytest.raises(ValueError, match="statistics of another model"):
+        run(first, share=0.2, statistics=ra.statistics)  # first is pruned: its widths differ

@@ -167,7 +167,7 @@ def shrink(
         raise ValueError("statistics= come from another model (its layer count differs)")
     seconds["statistics"] = time.perf_counter() - t
     t = time.perf_counter()
-    picks = Picks(stats, space, quiet=quiet)
+    picks = Picks(stats, space, adapter, quiet=quiet)
     seconds["OBS orders"] = time.perf_counter() - t
     bypass = stats.bypass_order()
     rng = random.Random(seed)

@@ -33,8 +33,8 @@ from sinv_prune.surgery.refit import consumer_weights
 class Picks:
     """Which units each option removes (OBS on the unpruned statistics) and the refit kept weights, cached."""
 
-    def __init__(self, stats: Statistics, space: Space, *, cache: int = 256, quiet: bool = False):
-        self.stats, self.space, self.adapter = stats, space, stats.adapter
+    def __init__(self, stats: Statistics, space: Space, adapter, *, cache: int = 256, quiet: bool = False):
+        self.stats, self.space, self.adapter = stats, space, adapter  # the model being cut (stats may be reused)
         self.mlp_steps: dict[int, list[list[int]]] = {}
         self._heads: dict[tuple[int, int], list[int]] = {}
         self._refits: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = OrderedDict()
@@ -43,6 +43,11 @@ class Picks:
         # the unpruned weights, held now: candidates replace the live parameters (never in place)
         self.weights = {("heads", i): consumer_weights(self.adapter.out_proj(i)) for i in range(n)}
         self.weights |= {("mlp", i): consumer_weights(self.adapter.mlp_out(i)) for i in range(n)}
+        for key, (weight, _) in self.weights.items():
+            measured = stats.fits[key][0].in_features
+            if measured != weight.shape[1]:
+                raise ValueError(f"statistics of another model: layer {key[1]} {key[0]} consumer has "
+                                 f"{weight.shape[1]} inputs, the statistics {measured}")  # fmt: skip
         for s in bar(space.layers, desc="OBS orders", unit="layer", disable=quiet):
             if s.max_steps:
                 fit = self.stats.fits["mlp", s.layer][0]

@@ -25,7 +25,6 @@ class Statistics:
 
     def __init__(self, model: nn.Module, adapter: HeadAdapter, sequences: Sequence[torch.Tensor],
                  heldout: Sequence[bool], *, batch: int = 4, quiet: bool = False):  # fmt: skip
-        self.adapter = adapter
         n = adapter.num_layers
         self.fits: dict[tuple[str, int], tuple[ConsumerFit, ConsumerFit]] = {}
         self.influence = [0.0] * n
