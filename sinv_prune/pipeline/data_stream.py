@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from sinv_prune.pipeline.data import _encode_lines, _encodes_newline
+from sinv_prune.strict_json import dumps
 
 logger = logging.getLogger("sinv_prune")
 #: Rows tokenised at once while packing.
@@ -118,9 +119,9 @@ def pack_rows(rows: Iterable[str], tokenizer, seq_len: int) -> Iterator[list[int
 
 def stream_key(spec, tokenizer, seq_len: int, count: int) -> str:
     """What the packed blocks depend on: the source, the tokenizer's vocabulary, ``seq_len`` and the count."""
-    vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+    vocab = hashlib.sha256(dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
     data = {"source": spec.model_dump(mode="json"), "vocab": vocab, "seq_len": seq_len, "count": count}
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def stream_blocks(spec, tokenizer, seq_len: int, count: int, directory: Path, resolve=str) -> Path:
@@ -150,7 +151,7 @@ def stream_blocks(spec, tokenizer, seq_len: int, count: int, directory: Path, re
             raise ValueError(f"finetune.data: the source makes no block of {seq_len} tokens")
         if n < count:
             logger.info("finetune.data: the stream ends after %d of the %d blocks wanted; they repeat", n, count)
-        (d / "meta.json").write_text(json.dumps({"blocks": n, "seq_len": seq_len, "wanted": count}))
+        (d / "meta.json").write_text(dumps({"blocks": n, "seq_len": seq_len, "wanted": count}))
 
     write_dir(target, write)
     return target / "blocks.npy"
@@ -166,7 +167,7 @@ def finetune_blocks(run) -> Blocks:
     """The fine-tune's blocks: ``finetune.data`` streamed (the main process packs, every process reads) or the
     run's train split (valid without one) cut into ``data.seq_len`` blocks."""
     from sinv_prune.pipeline.data import block_tensor
-    from sinv_prune.pipeline.training import planned_steps
+    from sinv_prune.pipeline.step_budget import planned_steps
 
     spec, seq = run.recipe.finetune, run.recipe.data.seq_len
     if spec.data is None:

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from sinv_prune.strict_json import dumps
+
 logger = logging.getLogger("sinv_prune")
 CACHE_VERSION = 1
 #: Elements of each weight tensor hashed into the teacher's fingerprint.
@@ -95,7 +97,7 @@ def cache_key(teacher, blocks, *, k: int, temperature: float, dtype: str, comput
         "dtype": dtype,
         "compute_dtype": str(compute_dtype),
     }
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class TeacherCache:
@@ -169,7 +171,7 @@ def build_cache(
         del values, ids
         meta = {"version": CACHE_VERSION, "blocks": int(n), "seq_len": int(seq_len), "k": k,
                 "temperature": float(temperature), "dtype": dtype, "vocab": int(vocab)}  # fmt: skip
-        (d / "meta.json").write_text(json.dumps(meta))
+        (d / "meta.json").write_text(dumps(meta))
 
     write_dir(target, write)
     logger.info("distillation cache: top-%d of %d blocks x %d tokens -> %s", k, n, seq_len, target)
@@ -183,7 +185,7 @@ def run_cache(run, blocks, load_teacher) -> TeacherCache:
     (every block once when the epochs decide or the budget exceeds them). ``load_teacher()`` is called only
     when the cache must be built; the teacher is released before any arm trains.
     """
-    from sinv_prune.pipeline.training import planned_steps
+    from sinv_prune.pipeline.step_budget import planned_steps
 
     spec, seq, world = run.recipe.finetune, run.recipe.data.seq_len, run.ranks.world_size
     steps = planned_steps(spec, seq, world)

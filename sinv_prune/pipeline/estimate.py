@@ -496,7 +496,7 @@ def _train_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:
 
 
 def _steps(spec: TrainSpec, seq_len: int, split_tokens_: int | None) -> int:
-    from sinv_prune.pipeline.training import planned_steps
+    from sinv_prune.pipeline.step_budget import planned_steps
 
     if planned_steps(spec, seq_len):  # max_steps, or a fine-tune's token budget (one process)
         return planned_steps(spec, seq_len)

@@ -30,6 +30,7 @@ from sinv_prune.scoring.amounts import check_amount
 from sinv_prune.units import get_unit, unit_names
 from sinv_prune.units import units as registered_units
 from sinv_prune.units.heads import HEADS
+from sinv_prune.units.mlp import MLP
 
 SCRATCH_ARCHITECTURES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
@@ -627,7 +628,7 @@ class AutoSpec(Strict):
     def _one_size(self):
         if (self.params is None) == (self.to is None):
             raise ValueError("auto: give exactly one of 'params' (a share) and 'to' (a parameter count)")
-        if "mlp" not in self.units:
+        if MLP.name not in self.units:
             raise ValueError("auto: units must include mlp (its channels meet the target to a step)")
         return self
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
 from sinv_prune.pipeline.recipe import TrainSpec
+from sinv_prune.pipeline.step_budget import budget_steps, planned_steps, tokens_per_step  # noqa: F401
 from sinv_prune.progress import bar
 
 logger = logging.getLogger("sinv_prune")
@@ -69,23 +69,6 @@ def optimizer_cls_and_kwargs(spec: TrainSpec) -> tuple[type[torch.optim.Optimize
     args = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.optimizer_args.items()}
     check_optimizer_args(spec.optimizer, args)
     return optimizer_class(spec.optimizer), {**args, "lr": spec.learning_rate}
-
-
-def tokens_per_step(spec: TrainSpec, seq_len: int, world_size: int = 1) -> int:
-    """Tokens one optimizer step trains on: ``batch_size * seq_len * gradient_accumulation_steps * world_size``."""
-    return spec.batch_size * seq_len * spec.gradient_accumulation_steps * world_size
-
-
-def budget_steps(tokens: int, per_step: int) -> int:
-    """Optimizer steps of a token budget: ``ceil(tokens / per_step)`` (at least the budget, less than a step more)."""
-    return math.ceil(tokens / per_step)
-
-
-def planned_steps(spec: TrainSpec, seq_len: int, world_size: int = 1) -> int | None:
-    """``max_steps``, or the steps of ``tokens`` (a fine-tune's budget); None when the epochs decide."""
-    if getattr(spec, "tokens", None):
-        return budget_steps(spec.tokens, tokens_per_step(spec, seq_len, world_size))
-    return spec.max_steps
 
 
 def _add_symmetry_breaking(model, spec) -> None:

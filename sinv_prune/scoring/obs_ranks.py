@@ -20,6 +20,8 @@ from sinv_prune.arch import get_adapter
 from sinv_prune.surgery.consumer_statistics import Statistics
 from sinv_prune.surgery.obs import obs_channel_order, obs_order
 from sinv_prune.surgery.refit import consumer_weights
+from sinv_prune.units.heads import HEADS
+from sinv_prune.units.mlp import MLP
 
 
 def rank_by_obs(model: nn.Module, groups: Sequence, batches: Sequence[Mapping], *, quiet: bool = True) -> int:
@@ -28,7 +30,7 @@ def rank_by_obs(model: nn.Module, groups: Sequence, batches: Sequence[Mapping], 
     Mixture-of-experts models and other units keep their scores (returns 0 then).
     """
     adapter = get_adapter(model)
-    wanted = [g for g in groups if g.unit in ("heads", "mlp")]
+    wanted = [g for g in groups if g.unit in (HEADS.name, MLP.name)]
     if not wanted or adapter.expert_counts():
         return 0
     seqs = []
@@ -39,14 +41,14 @@ def rank_by_obs(model: nn.Module, groups: Sequence, batches: Sequence[Mapping], 
         seqs += [row if m is None else row[m] for row, m in zip(ids, masks, strict=True)]
     stats = Statistics(model, adapter, seqs, [False] * len(seqs), quiet=quiet)
     for g in wanted:
-        module = adapter.out_proj(g.layer) if g.unit == "heads" else adapter.mlp_out(g.layer)
+        module = adapter.out_proj(g.layer) if g.unit == HEADS.name else adapter.mlp_out(g.layer)
         weight, _ = consumer_weights(module)
         width = weight.shape[1]
         gram = stats.fits[g.unit, g.layer][0].gram[:width, :width]
         most = max(g.allowed)
         if not most:
             continue
-        if g.unit == "mlp":
+        if g.unit == MLP.name:
             chunk = reduce(math.gcd, (k for k in g.allowed if k), 0) or 1
             order = [c for step in obs_channel_order(gram, weight, most, chunk) for c in step]
         else:

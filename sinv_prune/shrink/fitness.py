@@ -21,6 +21,8 @@ from sinv_prune.shrink.space import Genome
 from sinv_prune.shrink.statistics import Picks
 from sinv_prune.surgery.block_inputs import input_device
 from sinv_prune.surgery.refit import write_consumer
+from sinv_prune.units.heads import HEADS
+from sinv_prune.units.mlp import MLP
 
 
 def _passthrough(*args, **kwargs):
@@ -34,8 +36,8 @@ class Candidates:
         self.model, self.adapter, self.picks = model, adapter, picks
         self.batches = list(batches)
         n = adapter.num_layers
-        self._modules = {("heads", i): adapter.out_proj(i) for i in range(n)}
-        self._modules |= {("mlp", i): adapter.mlp_out(i) for i in range(n)}
+        self._modules = {(HEADS.name, i): adapter.out_proj(i) for i in range(n)}
+        self._modules |= {(MLP.name, i): adapter.mlp_out(i) for i in range(n)}
         self._saved = {k: (m.weight, getattr(m, "bias", None)) for k, m in self._modules.items()}
         self._applied: dict[tuple[str, int], tuple] = {}
         self._dropped: set[int] = set()
@@ -86,8 +88,8 @@ class Candidates:
                 self._dropped.discard(layer)
             heads = [] if drop else self.picks.heads(layer, genome.heads[layer])
             channels = [] if drop else self.picks.channels(layer, genome.mlp[layer])
-            self._set(("heads", layer), heads)
-            self._set(("mlp", layer), channels)
+            self._set((HEADS.name, layer), heads)
+            self._set((MLP.name, layer), channels)
 
     def _set(self, key: tuple[str, int], removed: list[int]) -> None:
         state = tuple(removed)

@@ -38,8 +38,11 @@ from sinv_prune.surgery.block_inputs import input_device
 from sinv_prune.surgery.consumer_statistics import Statistics
 from sinv_prune.surgery.refit import write_consumer
 from sinv_prune.surgery.removal import count_parameters, prune
+from sinv_prune.units.heads import HEADS
+from sinv_prune.units.layers import LAYERS
+from sinv_prune.units.mlp import MLP
 
-UNITS = ("layers", "heads", "mlp")
+UNITS = (LAYERS.name, HEADS.name, MLP.name)
 
 
 @dataclass
@@ -233,8 +236,8 @@ def shrink(
             summary = None
         del sequential
     if summary is None:
-        modules = {("heads", i): adapter.out_proj(i) for i in range(adapter.num_layers)}
-        modules |= {("mlp", i): adapter.mlp_out(i) for i in range(adapter.num_layers)}
+        modules = {(HEADS.name, i): adapter.out_proj(i) for i in range(adapter.num_layers)}
+        modules |= {(MLP.name, i): adapter.mlp_out(i) for i in range(adapter.num_layers)}
         summary = prune(model, plan)
         for key, (_, weight, bias) in refits.items():
             write_consumer(modules[key], weight, bias)
@@ -267,7 +270,7 @@ def _check(model, adapter, params, to, units, budget, holdout, fitness_sequences
     if to is not None and (isinstance(to, bool) or not isinstance(to, int) or to <= 0):
         raise ValueError(f"to must be a positive parameter count, got {to!r}")
     unknown = sorted(set(units) - set(UNITS))
-    if unknown or "mlp" not in units:
+    if unknown or MLP.name not in units:
         raise ValueError(f"units must include 'mlp' and be among {', '.join(UNITS)}, got {list(units)}")
     if budget < 1 or fitness_sequences < 1 or not 0 < holdout <= 0.5 or not 0 < min_mlp < 1 or multiple < 1:
         raise ValueError("budget and fitness_sequences must be >= 1, holdout in (0, 0.5], min_mlp in (0, 1), "
@@ -290,7 +293,7 @@ def seed_genomes(space: Space, bypass: list[int], rng: random.Random) -> dict[st
     mlp = stock_space.repair(space.empty(), rng)
     if mlp is not None:
         out["mlp"] = mlp
-    if "heads" in space.units:
+    if HEADS.name in space.units:
         options = space.layers[0].heads
         same = all(len(s.heads) == len(options) for s in space.layers)
         by_cost = sorted(range(1, len(options)), key=lambda j: options[j].removed) if same else []
@@ -302,7 +305,7 @@ def seed_genomes(space: Space, bypass: list[int], rng: random.Random) -> dict[st
             mixed = stock_space.repair(Genome((), (under[-1],) * n, (0,) * n), rng)
             if mixed is not None:
                 out["heads+mlp"] = mixed
-    if "layers" in space.units:
+    if LAYERS.name in space.units:
         block = space.layers[0].block
         need = -(-space.target // block)
         if need <= n - space.min_layers:
@@ -321,9 +324,9 @@ def _cut_consumers(genome: Genome, picks: Picks) -> dict[tuple[str, int], list[i
             continue
         heads, channels = picks.heads(layer, genome.heads[layer]), picks.channels(layer, genome.mlp[layer])
         if heads:
-            out["heads", layer] = heads
+            out[HEADS.name, layer] = heads
         if channels:
-            out["mlp", layer] = channels
+            out[MLP.name, layer] = channels
     return out
 
 
@@ -333,7 +336,7 @@ def to_plan(genome: Genome, picks: Picks) -> dict:
     for (unit, layer), removed in _cut_consumers(genome, picks).items():
         plan.setdefault(unit, {})[layer] = removed
     if genome.dropped:
-        plan["layers"] = list(genome.dropped)
+        plan[LAYERS.name] = list(genome.dropped)
     return plan
 
 
@@ -358,10 +361,10 @@ def _sequential_build(model: nn.Module, plan: dict, seqs: list[torch.Tensor]):
     """A copy of ``model`` cut by ``plan``: blocks dropped first, then heads and channels by sequential OBS
     compensation on ``seqs`` (its own held-out guard); the copy and the summary of the whole cut."""
     other = copy.deepcopy(model)
-    dropped = list(plan.get("layers", []))
-    first = prune(other, {"layers": dropped}) if dropped else None
+    dropped = list(plan.get(LAYERS.name, []))
+    first = prune(other, {LAYERS.name: dropped}) if dropped else None
     shift = {layer: layer - sum(d < layer for d in dropped) for layer in range(get_adapter(model).num_layers)}
-    rest = {u: {shift[layer]: v for layer, v in plan[u].items()} for u in ("heads", "mlp") if u in plan}
+    rest = {u: {shift[layer]: v for layer, v in plan[u].items()} for u in (HEADS.name, MLP.name) if u in plan}
     batches = [{"input_ids": torch.stack(seqs[i : i + 4])} for i in range(0, len(seqs), 4)]
     summary = prune(other, rest, calibration=batches, compensate="obs")
     if first is not None:

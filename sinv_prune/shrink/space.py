@@ -17,8 +17,9 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter
-from sinv_prune.units.heads import head_cost
-from sinv_prune.units.mlp import channel_cost
+from sinv_prune.units.heads import HEADS, head_cost
+from sinv_prune.units.layers import LAYERS
+from sinv_prune.units.mlp import MLP, channel_cost
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Space:
     layers: list[LayerSpace]
     target: int
     stock: bool = False
-    units: tuple[str, ...] = ("layers", "heads", "mlp")
+    units: tuple[str, ...] = (LAYERS.name, HEADS.name, MLP.name)
     min_layers: int = 1
 
     def removed(self, g: Genome) -> int:
@@ -87,10 +88,10 @@ class Space:
         out = {"layers": 0, "heads": 0, "mlp": 0}
         for s in self.layers:
             if s.layer in g.dropped:
-                out["layers"] += s.block
+                out[LAYERS.name] += s.block
             else:
-                out["heads"] += s.heads[g.heads[s.layer]].removed
-                out["mlp"] += g.mlp[s.layer] * s.step * s.channel
+                out[HEADS.name] += s.heads[g.heads[s.layer]].removed
+                out[MLP.name] += g.mlp[s.layer] * s.step * s.channel
         return out
 
     # -- making a genome meet the target ---------------------------------------------------------
@@ -146,8 +147,8 @@ class Space:
         block swapped for a kept one, one block more or fewer dropped (MLP steps pay for it). ``bypass``
         ranks the layers by how little they change their input (first: the cheapest to drop).
         """
-        moves = [m for m, unit in ((self._move_mlp, "mlp"), (self._move_heads, "heads"),
-                                   (self._swap_layer, "layers"), (self._count_layers, "layers"))
+        moves = [m for m, unit in ((self._move_mlp, MLP.name), (self._move_heads, HEADS.name),
+                                   (self._swap_layer, LAYERS.name), (self._count_layers, LAYERS.name))
                  if unit in self.units and not (self.stock and m == self._move_mlp)]  # fmt: skip
         if not moves:
             return None
@@ -236,7 +237,7 @@ def build_space(model: nn.Module, adapter: HeadAdapter, target: int, *, stock: b
         kv_bias = sum(b.numel() for b in (proj.k_bias, proj.v_bias) if b is not None)
         per_kv = (proj.k.numel() + proj.v.numel() + kv_bias) // max(lay.num_kv_heads, 1)
         options = [HeadOption(lay.num_kv_heads, lay.group_size, 0)]
-        if "heads" in units and not adapter.heads_refusal and lay.num_heads:
+        if HEADS.name in units and not adapter.heads_refusal and lay.num_heads:
             for groups in range(lay.num_kv_heads, 0, -1):
                 for per_group in range(lay.group_size, 0, -1):
                     if (groups, per_group) == (lay.num_kv_heads, lay.group_size):
@@ -246,7 +247,7 @@ def build_space(model: nn.Module, adapter: HeadAdapter, target: int, *, stock: b
                     removed = (lay.num_heads - groups * per_group) * per_q + (lay.num_kv_heads - groups) * per_kv
                     options.append(HeadOption(groups, per_group, removed))
         width = adapter.intermediate_size(i)
-        step = multiple if "mlp" in units else width
-        max_steps = int(width * (1 - min_mlp)) // step if "mlp" in units else 0
+        step = multiple if MLP.name in units else width
+        max_steps = int(width * (1 - min_mlp)) // step if MLP.name in units else 0
         layers.append(LayerSpace(i, block, options, channel_cost(model, i), step, max_steps))
     return Space(layers, target, stock, tuple(units), min_layers)

@@ -28,6 +28,8 @@ from sinv_prune.surgery.compensation import guarded_refit
 from sinv_prune.surgery.consumer_statistics import Statistics
 from sinv_prune.surgery.obs import obs_channel_order, obs_order
 from sinv_prune.surgery.refit import consumer_weights
+from sinv_prune.units.heads import HEADS
+from sinv_prune.units.mlp import MLP
 
 
 class Picks:
@@ -41,8 +43,8 @@ class Picks:
         self._cap = cache
         n = self.adapter.num_layers
         # the unpruned weights, held now: candidates replace the live parameters (never in place)
-        self.weights = {("heads", i): consumer_weights(self.adapter.out_proj(i)) for i in range(n)}
-        self.weights |= {("mlp", i): consumer_weights(self.adapter.mlp_out(i)) for i in range(n)}
+        self.weights = {(HEADS.name, i): consumer_weights(self.adapter.out_proj(i)) for i in range(n)}
+        self.weights |= {(MLP.name, i): consumer_weights(self.adapter.mlp_out(i)) for i in range(n)}
         for key, (weight, _) in self.weights.items():
             measured = stats.fits[key][0].in_features
             if measured != weight.shape[1]:
@@ -50,8 +52,8 @@ class Picks:
                                  f"{weight.shape[1]} inputs, the statistics {measured}")  # fmt: skip
         for s in bar(space.layers, desc="OBS orders", unit="layer", disable=quiet):
             if s.max_steps:
-                fit = self.stats.fits["mlp", s.layer][0]
-                weight, _ = self.weights["mlp", s.layer]
+                fit = self.stats.fits[MLP.name, s.layer][0]
+                weight, _ = self.weights[MLP.name, s.layer]
                 width = weight.shape[1]
                 self.mlp_steps[s.layer] = obs_channel_order(fit.gram[:width, :width], weight, s.max_steps * s.step,
                                                             s.step)  # fmt: skip
@@ -67,8 +69,8 @@ class Picks:
     def _choose_heads(self, layer: int, option: HeadOption) -> list[int]:
         lay = self.adapter.layout(layer)
         group, d = lay.group_size, lay.head_dim
-        fit = self.stats.fits["heads", layer][0]
-        weight, _ = self.weights["heads", layer]
+        fit = self.stats.fits[HEADS.name, layer][0]
+        weight, _ = self.weights[HEADS.name, layer]
         width = weight.shape[1]
         gram = fit.gram[:width, :width]
         gone_groups: list[int] = []
@@ -98,7 +100,7 @@ class Picks:
             return self._refits[key]
         weight, bias = self.weights[unit, layer]
         width = weight.shape[1]
-        if unit == "heads":
+        if unit == HEADS.name:
             d = self.adapter.layout(layer).head_dim
             gone = set(head_rows(torch.tensor(list(removed_units), dtype=torch.long), d).tolist())
         else:

@@ -18,6 +18,8 @@ from sinv_prune.arch import HeadAdapter
 from sinv_prune.progress import bar
 from sinv_prune.surgery.block_inputs import Stop, input_device, rows
 from sinv_prune.surgery.refit import ConsumerFit, consumer_weights
+from sinv_prune.units.heads import HEADS
+from sinv_prune.units.mlp import MLP
 
 
 class Statistics:
@@ -29,8 +31,8 @@ class Statistics:
         self.fits: dict[tuple[str, int], tuple[ConsumerFit, ConsumerFit]] = {}
         self.influence = [0.0] * n
         counts = [0] * n
-        consumers = {("heads", i): adapter.out_proj(i) for i in range(n)}
-        consumers |= {("mlp", i): adapter.mlp_out(i) for i in range(n)}
+        consumers = {(HEADS.name, i): adapter.out_proj(i) for i in range(n)}
+        consumers |= {(MLP.name, i): adapter.mlp_out(i) for i in range(n)}
         for key, module in consumers.items():
             weight, bias = consumer_weights(module)
             fit, held = (ConsumerFit(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
