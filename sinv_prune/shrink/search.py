@@ -177,7 +177,9 @@ def shrink(
     seeds = seed_genomes(space, bypass, rng)
     if not seeds:
         raise ValueError(f"no plan removes {target:,} parameters under these constraints (min_mlp {min_mlp})")
-    fit_batch = torch.stack([s[:fitness_tokens] for s in held_seqs[:fitness_sequences]])
+    chosen_seqs = held_seqs[:fitness_sequences]
+    cut = min(fitness_tokens, *(s.numel() for s in chosen_seqs))
+    fit_batch = torch.stack([s[:cut] for s in chosen_seqs])  # equal lengths: one batch
     t = time.perf_counter()
     found: dict[str, dict] = {}
     with Candidates(model, adapter, picks, [fit_batch]) as cand:
