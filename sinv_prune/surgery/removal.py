@@ -231,8 +231,9 @@ def prune(
     it lowers the held-out error, and the compensated model is kept only where its held-out loss
     is below the plainly pruned model's (``summary.compensation.kept`` says which); ``holdout=0``
     fits on everything with ``compensation.default_ridge(tokens)``. ``compensate="obs"`` first
-    re-chooses which units each layer loses (as many as planned; heads within each KV group) by
-    greedy OBS, then refits as ``"lsq"``; the summary and record give the units really removed.
+    re-chooses which units each layer loses (as many as planned; heads within each KV group, or which
+    whole KV groups where the plan empties whole groups) by greedy OBS, then refits as ``"lsq"``;
+    the summary and record give the units really removed.
     ``precision`` is the dtype of the statistics' products (float32, summed in float64; or
     float64). ``compensate="bias"``
     (FLAP) adds the removed units' mean contribution on the unpruned model to the consumer's
