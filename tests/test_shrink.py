@@ -172,6 +172,8 @@ def test_cli_shrinks_from_text_and_refuses_bad_input(tmp_path):
     assert bad.exit_code == 2 and "not a size" in bad.output
     short = CliRunner().invoke(main, [*args, "--overwrite", "--sequences", "4000"])
     assert short.exit_code == 2 and "fewer than" in short.output
+    gguf = CliRunner().invoke(main, [args[0], args[1], str(tmp_path / "gguf-out"), *args[3:], "--gguf", "f32"])
+    assert gguf.exit_code == 2 and "tokenizer" in gguf.output  # a word-level vocabulary llama.cpp cannot read
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "model", "small"]
 
 
