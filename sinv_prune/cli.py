@@ -224,6 +224,14 @@ def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str
                        f"{spec.lr_scheduler}, optimizer_args {spec.optimizer_args}")  # fmt: skip
     for arm in recipe.prune.arms:
         what = "; ".join(f"{p.criterion} {p.unit}, amount {p.amount}, {p.mode}" for p in arm.part_specs)
+        if arm.control:
+            what = "prunes nothing (the control: the base, fine-tuned and evaluated like every arm)"
+        elif arm.auto is not None:
+            a = arm.auto
+            size = (
+                f"{a.params:g} of the non-embedding parameters" if a.params is not None else f"to {a.to:,} parameters"
+            )
+            what = f"shrink {size} over {', '.join(a.units)}{', stock shapes' if a.stock else ''}, {a.budget} plans"
         click.echo(f"  arm {arm.label}: {what}")
     _print_estimate(recipe, device, config_s, threads)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):

@@ -83,6 +83,9 @@ class Probe:
     trainer_import_s: float  # importing transformers' Trainer (once per run)
     seconds: float = 0.0
     moe: bool = False  # routed experts: evaluation also counts their selections (one more pass per model)
+    # a ``bf16`` trainer stage: its steps are still timed in the model's dtype (autocast's per-call weight casts
+    # swamp the probe's small calls), so the estimate is high where bfloat16 products are fast
+    bf16_training: bool = False
 
 
 # -- the probe ----------------------------------------------------------------------------------
@@ -139,6 +142,7 @@ def _probe(recipe: Recipe, device: str, config_s: float) -> Probe:
         trainer_import_s=trainer_import_s,
         seconds=time.perf_counter() - start,
         moe=is_moe(model),
+        bf16_training=any(s.bf16 for s in _trainer_specs(recipe)),
     )
 
 
@@ -441,7 +445,7 @@ def _curve_s(recipe: Recipe, probe: Probe, tokens: dict[str, int], steps: int) -
     n = min(tokens.get(split, 0), limit)
     windows = math.ceil(max(n - data.seq_len, 0) / (data.eval_stride or data.seq_len)) + 1
     batch = recipe.evaluate.window_batch_size
-    tasks = task_seconds(recipe, probe)[0] if recipe.evaluate.tasks else 0.0
+    tasks = task_seconds(recipe, probe)[0] if recipe.evaluate.tasks and spec.eval_tasks else 0.0
     return points * (math.ceil(windows / batch) * probe.forward(batch * data.seq_len) + tasks), points
 
 
@@ -625,9 +629,10 @@ def format_seconds(seconds: float) -> str:
 def estimate_table(rows: list[Row], probe: Probe) -> str:
     """The per-stage table with its total, and what the numbers come from."""
     width = max(len(r.stage) for r in rows + [Row("total", 0, "")])
+    bf16 = " (bf16 training timed as that: faster where bfloat16 is)" if probe.bf16_training else ""
     lines = [
         f"estimated time (an estimate, not a promise: from a {probe.seconds:.1f}s probe on {probe.device}, "
-        f"{probe.threads} thread(s), {probe.dtype}; forward+backward timed at "
+        f"{probe.threads} thread(s), {probe.dtype}{bf16}; forward+backward timed at "
         f"{probe.forward_backward.describe()}, forward at {probe.forward.describe()}, extrapolated linearly):"
     ]
     lines += [f"  {r.stage:<{width}}  {format_seconds(r.seconds):>8}  {r.what}" for r in rows]

@@ -108,7 +108,7 @@ def arm_parts(recipe: Recipe):
         if arm.auto is not None:
             continue  # shrink searches its own cut: check_auto
         if arm.parts is None:
-            yield f"prune.arms[{i}]", arm.single_part()
+            yield from ((f"prune.arms[{i}]", part) for part in arm.part_specs)  # a control arm has none
         else:
             for j, part in enumerate(arm.parts):
                 yield f"prune.arms[{i}].parts[{j}]", part

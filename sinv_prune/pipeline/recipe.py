@@ -315,7 +315,9 @@ class TrainSpec(Strict):
     :data:`OPTIMIZER_RECIPE_DEFAULTS` for the optimizer, and the resolved recipe shows it.
     ``distill`` (:class:`DistillSpec`, ``finetune`` only) makes the loss a distillation loss; with
     ECD, ``F0`` must then sit below that combined loss. ``gradient_checkpointing`` recomputes
-    activations in the backward pass (less memory, about a third more time).
+    activations in the backward pass (less memory, about a third more time). ``bf16``: mixed precision
+    (the Trainer's ``bf16``: matrix products under bfloat16 autocast, weights and optimizer state stay
+    float32), several times faster on GPUs and on CPUs with AMX or AVX512-BF16, at bfloat16's precision.
     ``gradient_accumulation_steps`` micro-batches of ``batch_size`` make one optimizer step.
     """
 
@@ -340,6 +342,7 @@ class TrainSpec(Strict):
     save_every: int = Field(200, gt=0)
     tracking: TrackingSpec | None = None
     gradient_checkpointing: bool = False
+    bf16: bool = False
     distill: DistillSpec | None = None
     lora: LoraSpec | None = None
 
@@ -400,7 +403,8 @@ class FinetuneSpec(TrainSpec):
     ``data`` (:class:`FinetuneData`): train on a streamed ``datasets`` source instead of the train split.
     ``eval_every_tokens``: a recovery curve (:mod:`sinv_prune.pipeline.recovery`): perplexity on the
     evaluation text (the first ``eval_max_tokens`` tokens of it; omitted: ``data.max_eval_tokens``) and
-    ``evaluate.tasks``, before the first step and each time another ``eval_every_tokens`` have been seen.
+    ``evaluate.tasks``, before the first step and each time another ``eval_every_tokens`` have been seen
+    (``eval_tasks: false``: perplexity only at each point; the evaluate stage still runs the tasks).
     """
 
     distill_allowed: ClassVar[bool] = True
@@ -410,6 +414,7 @@ class FinetuneSpec(TrainSpec):
     data: FinetuneData | None = None
     eval_every_tokens: int | None = Field(None, gt=0)
     eval_max_tokens: int | None = Field(None, gt=1)
+    eval_tasks: bool = True
 
     @model_validator(mode="after")
     def _lora_alone(self):
@@ -672,6 +677,10 @@ class ArmSpec(Strict):
 
         - {unit: mlp, criterion: activation, options: {metric: magnitude}, amount: {params: 0.10},
            allocation: search, compensate: {method: lsq, batches: 16}}
+
+    ``control: true`` prunes nothing: the unpruned model goes through ``finetune`` (the same tokens,
+    teacher and settings as every arm) and ``evaluate`` as an arm, so a pruned arm's recovery can be
+    read against what the fine-tune alone does to the model (name ``control`` unless ``name`` is given).
     """
 
     name: str | None = None
@@ -691,6 +700,7 @@ class ArmSpec(Strict):
     compensate: CompensateSpec | None = None
     rounds: int = Field(1, ge=1)
     auto: AutoSpec | None = None
+    control: bool = False
 
     _unit = field_validator("unit")(_registered_unit)
 
@@ -701,6 +711,11 @@ class ArmSpec(Strict):
 
     @model_validator(mode="after")
     def _one_form(self):
+        if self.control:
+            given = _given(self, (*PART_KEYS, "parts", "compensate", "rounds", "auto"))
+            if given:
+                raise ValueError(f"a control arm prunes nothing; drop {', '.join(given)}")
+            return self
         if self.auto is not None:
             mixed = _given(self, (*PART_KEYS, "parts", "compensate", "rounds"))
             if mixed:
@@ -736,8 +751,9 @@ class ArmSpec(Strict):
 
     @property
     def part_specs(self) -> list[PartSpec]:
-        """What the arm removes, one :class:`PartSpec` per part (one for the single-part form; none for ``auto``)."""
-        if self.auto is not None:
+        """What the arm removes, one :class:`PartSpec` per part (one for the single-part form; none for ``auto``
+        or a control)."""
+        if self.auto is not None or self.control:
             return []
         return list(self.parts) if self.parts is not None else [self.single_part()]
 
@@ -746,22 +762,28 @@ class ArmSpec(Strict):
         """The units the arm removes, in part order without repeats."""
         if self.auto is not None:
             return list(self.auto.units)
+        if self.control:
+            return []
         return list(dict.fromkeys(p.unit for p in self.part_specs))
 
     @property
     def heads_only(self) -> bool:
         """A single-part heads arm (what :class:`sinv_prune.HeadPruner` runs)."""
-        return self.parts is None and self.auto is None and get_unit(self.unit) is HEADS
+        return self.parts is None and self.auto is None and not self.control and get_unit(self.unit) is HEADS
 
     @property
     def criterion_names(self) -> str:
-        """The criterion, or the parts' criteria joined by ``+`` (``auto``: ``shrink``)."""
+        """The criterion, or the parts' criteria joined by ``+`` (``auto``: ``shrink``; a control: ``none``)."""
         if self.auto is not None:
             return "shrink"
+        if self.control:
+            return "none"
         return "+".join(p.criterion for p in self.part_specs)
 
     @property
     def label(self) -> str:
+        if self.control:
+            return self.name or "control"
         if self.auto is not None:
             return self.name or self.auto.label
         if self.parts is None:

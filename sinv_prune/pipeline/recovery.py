@@ -10,7 +10,8 @@ are ``s * tokens_per_step`` (:func:`sinv_prune.pipeline.training.tokens_per_step
 ``perplexity``: on the evaluate stage's text (the test split, else valid) with its window and stride,
 over its first ``finetune.eval_max_tokens`` tokens (omitted: ``data.max_eval_tokens``, the evaluate
 stage's own amount); a masked LM's is its MLM perplexity. Each task of ``evaluate.tasks`` adds its
-headline metric (``acc_norm`` where lm-eval reports it, else ``acc``) under the task's name. The
+headline metric (``acc_norm`` where lm-eval reports it, else ``acc``) under the task's name, unless
+``finetune.eval_tasks`` is false. The
 points are rewritten to ``recovery.json`` (strict JSON) in the arm's directory after each one, so a
 resumed fine-tune keeps those taken up to its checkpoint; the main process evaluates, the others wait
 at the next step.
@@ -109,7 +110,7 @@ def curve_evaluator(run, masked_lm: bool) -> Callable:
 def _task_values(run, model) -> dict:
     """The headline metric of each of ``evaluate.tasks`` (nothing when there are none)."""
     spec = run.recipe.evaluate
-    if not spec.tasks:
+    if not spec.tasks or not run.recipe.finetune.eval_tasks:
         return {}
     from sinv_prune.lmeval import evaluate_tasks, headline
     from sinv_prune.pipeline.tasks import _task_set

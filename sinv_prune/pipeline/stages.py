@@ -59,7 +59,7 @@ from sinv_prune.scoring.criteria import Criterion, StoredScores, criterion_class
 from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
 from sinv_prune.strict_json import with_null_reasons
 from sinv_prune.surgery.checkpoint import from_pretrained
-from sinv_prune.surgery.removal import count_parameters
+from sinv_prune.surgery.removal import PruneSummary, count_parameters
 from sinv_prune.units import get_unit
 from sinv_prune.units import units as registered_units
 
@@ -472,7 +472,10 @@ def stage_prune(run: Run) -> None:
             continue
         model = fresh_base(run)
         calibration = _calibration_batches(run, arm.compensate) if arm.compensate else None
-        if arm.auto is not None:
+        if arm.control:
+            n = count_parameters(model)
+            summary = PruneSummary(layers=[], params_before=n, params_after=n)
+        elif arm.auto is not None:
             summary = _shrink_arm(run, arm, model, state)
         elif arm.rounds > 1:
             criteria = [part_criterion(p) for p in arm.part_specs]
@@ -491,7 +494,7 @@ def stage_prune(run: Run) -> None:
                 state["allocation"] = pruner.last_allocation
         path = run.root / "arms" / _safe(arm.label) / "pruned"
         _save_model(model, run.tokenizer, path)
-        record = model.config.sinv_prune
+        record = getattr(model.config, "sinv_prune", None) or {}  # a control arm's model has no record
         state.update(
             pruned=True,
             criterion=arm.criterion_names,
@@ -742,7 +745,10 @@ def stage_evaluate(run: Run) -> dict:
             "heads_removed": state["heads_removed"],
             **{f"{u.plural}_removed": state.get(f"{u.plural}_removed", 0) for u in registered_units()},
             **{k: state.get(k) for k in ("removed", "removed_channels", "removed_experts", "removed_layers")},
-            "pruned": evaluate_model(run, pruned, f"{arm.label} (pruned)", offload=offload),
+            # a control arm's model is the base: its evaluation is the baseline's
+            "pruned": dict(results["baseline"])
+            if arm.control
+            else evaluate_model(run, pruned, f"{arm.label} (pruned)", offload=offload),
             "model_dir": state["pruned_dir"],
             "score_report": scores.get(criterion_key(arm), {}).get("report", {}) if arm.part_specs else {},
             "shrink": state.get("shrink"),
@@ -792,7 +798,7 @@ def _arm_fields(arm: ArmSpec) -> dict[str, Any]:
     parts = arm.part_specs
     one = parts[0] if arm.parts is None and parts else None
     return {
-        "unit": "+".join(arm.units),
+        "unit": "+".join(arm.units) or "none",
         "parts": [p.model_dump(exclude_none=True) for p in parts] if arm.parts is not None else None,
         "options": one.options if one else None,
         "amount": one.amount if one else None,

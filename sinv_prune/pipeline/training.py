@@ -148,6 +148,7 @@ def run_trainer(
         # transformers' name for gradient checkpointing; its default (non-reentrant) also gives checkpointed
         # blocks gradients when their inputs are frozen (LoRA's embeddings).
         activation_checkpointing=spec.gradient_checkpointing,
+        bf16=spec.bf16,
     )
     if getattr(spec, "tokens", None):
         args.max_steps = planned_steps(spec, len(train_blocks[0]["input_ids"]), args.world_size)
