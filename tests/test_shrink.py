@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 
 import pytest
@@ -150,7 +151,7 @@ def test_bad_requests_raise_one_line_and_change_nothing(kwargs, message):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_cli_shrinks_from_text_and_refuses_bad_input(tmp_path):
+def test_cli_shrinks_from_text_and_refuses_bad_input(tmp_path, monkeypatch):
     lines = [" ".join(f"w{(i * 7 + j) % 80}" for j in range(30)) for i in range(400)]
     text = tmp_path / "calib.txt"
     text.write_text("\n".join(lines))
@@ -172,6 +173,8 @@ def test_cli_shrinks_from_text_and_refuses_bad_input(tmp_path):
     assert bad.exit_code == 2 and "not a size" in bad.output
     short = CliRunner().invoke(main, [*args, "--overwrite", "--sequences", "4000"])
     assert short.exit_code == 2 and "fewer than" in short.output
+    command = importlib.import_module("sinv_prune.shrink.command")
+    monkeypatch.setattr(command, "shrink", lambda *a, **k: pytest.fail("searched, then refused"))
     gguf = CliRunner().invoke(main, [args[0], args[1], str(tmp_path / "gguf-out"), *args[3:], "--gguf", "f32"])
     assert gguf.exit_code == 2 and "tokenizer" in gguf.output  # a word-level vocabulary llama.cpp cannot read
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "model", "small"]

@@ -120,24 +120,10 @@ def export_gguf(
         model = sinv_prune.from_pretrained("runs/x/arms/taylor/finetuned")
         print(sinv_prune.export_gguf(model, tokenizer, "model.gguf", type="q8_0"))
     """
-    if type not in TYPES:
-        raise ExportRefused(f"type must be one of {', '.join(TYPES)}, got {type!r}")
-    require_quantizer(type)
     path = Path(path)
     if path.exists() and not overwrite:
         raise ExportRefused(f"{path} exists; pass overwrite=True to replace it")
-    if verify is None:
-        verify = gguf_verify.llama_cpp_available()
-    elif verify and not gguf_verify.llama_cpp_available():
-        raise ExportRefused(f"verify=True needs llama-cpp-python: {gguf_verify.PIP_HINT}")
-    source = tokenizer_gguf if tokenizer_gguf is not None else getattr(model, SOURCE_ATTR, None)
-    if source is not None and not Path(source).is_file():
-        raise ExportRefused(f"tokenizer_gguf: {source} is not a file")
-    if not vocab:
-        tokenizer = source = None
-    elif tokenizer is None and source is None:
-        raise ExportRefused(NO_TOKENIZER)
-
+    tokenizer, source, verify = _checked_arguments(model, tokenizer, type, verify, tokenizer_gguf, vocab)
     native = check_exportable(model)  # the cheap refusals, before the float32 copy of the weights
     tensors = collect_tensors(model, native)
     layout = plan_layout(model, nonzero_biases(tensors))
@@ -187,6 +173,43 @@ def export_gguf(
         Path(float_file).unlink(missing_ok=True)
         raise
     return result
+
+
+def _checked_arguments(model, tokenizer, type: str, verify, tokenizer_gguf, vocab: bool):  # noqa: A002
+    """``(tokenizer, source GGUF, verify)`` as the export uses them, or :class:`ExportRefused`."""
+    if type not in TYPES:
+        raise ExportRefused(f"type must be one of {', '.join(TYPES)}, got {type!r}")
+    require_quantizer(type)
+    if verify is None:
+        verify = gguf_verify.llama_cpp_available()
+    elif verify and not gguf_verify.llama_cpp_available():
+        raise ExportRefused(f"verify=True needs llama-cpp-python: {gguf_verify.PIP_HINT}")
+    source = tokenizer_gguf if tokenizer_gguf is not None else getattr(model, SOURCE_ATTR, None)
+    if source is not None and not Path(source).is_file():
+        raise ExportRefused(f"tokenizer_gguf: {source} is not a file")
+    if not vocab:
+        return None, None, verify
+    if tokenizer is None and source is None:
+        raise ExportRefused(NO_TOKENIZER)
+    return tokenizer, source, verify
+
+
+def check_gguf_export(
+    model: nn.Module,
+    tokenizer,
+    *,
+    type: str = "f16",  # noqa: A002
+    verify: bool | None = None,
+    tokenizer_gguf: str | os.PathLike | None = None,
+    vocab: bool = True,
+) -> None:
+    """Raise the :class:`ExportRefused` that :func:`export_gguf` would raise for these arguments before writing
+    any tensor (type, quantiser, llama.cpp architecture, vocabulary), writing nothing: so a command that
+    prunes first (``sinv-prune shrink --gguf``) can refuse before its work rather than after it."""
+    tokenizer, source, _ = _checked_arguments(model, tokenizer, type, verify, tokenizer_gguf, vocab)
+    native = check_exportable(model)
+    n_vocab = model.get_input_embeddings().weight.shape[0]
+    add_vocab(gguf.GGUFWriter(None, native.name), tokenizer, n_vocab, source)  # in memory: no file is opened
 
 
 def _round_trip(file: str, model: nn.Module, tokenizer, type: str, n_vocab: int, arch: str):  # noqa: A002

@@ -18,6 +18,11 @@ def run_shrink(source: str, output: Path, *, tokenizer_path: str | None, gguf_fi
     load = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = load_model_tokenizer(tokenizer_path or source, **({} if tokenizer_path else load))
     model = from_pretrained(source, **load).eval()
+    source_gguf = str(Path(source) / gguf_file) if gguf_file else (source if source.endswith(".gguf") else None)
+    if gguf_type:  # what the export would refuse (type, architecture, vocabulary), before the search
+        from sinv_prune.deploy import check_gguf_export
+
+        check_gguf_export(model, tokenizer, type=gguf_type, tokenizer_gguf=source_gguf)
     result = shrink(model, tokenizer=tokenizer, **options)
 
     def write(directory: Path) -> None:
@@ -27,7 +32,6 @@ def run_shrink(source: str, output: Path, *, tokenizer_path: str | None, gguf_fi
         if gguf_type:
             from sinv_prune.deploy import export_gguf
 
-            source_gguf = str(Path(source) / gguf_file) if gguf_file else (source if source.endswith(".gguf") else None)
             export_gguf(model, tokenizer, directory / "model.gguf", type=gguf_type, tokenizer_gguf=source_gguf)
 
     save(output, overwrite, write)
