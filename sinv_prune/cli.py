@@ -231,7 +231,8 @@ def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str
             size = (
                 f"{a.params:g} of the non-embedding parameters" if a.params is not None else f"to {a.to:,} parameters"
             )
-            what = f"shrink {size} over {', '.join(a.units)}{', stock shapes' if a.stock else ''}, {a.budget} plans"
+            over = ", ".join(a.units) if a.units else "every unit the model has"
+            what = f"shrink {size} over {over}{', stock shapes' if a.stock else ''}, {a.budget} plans"
         click.echo(f"  arm {arm.label}: {what}")
     _print_estimate(recipe, device, config_s, threads)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
@@ -466,7 +467,12 @@ def parse_size(text: str) -> int:
 @click.option("--sequences", default=64, show_default=True, type=click.IntRange(2), help="Calibration sequences.")
 @click.option("--length", default=512, show_default=True, type=click.IntRange(2), help="Tokens per sequence.")
 @click.option("--stock", is_flag=True, help="Only shapes the stock class and vLLM load (uniform per unit).")
-@click.option("--units", default="layers,heads,mlp", show_default=True, help="Units the search may cut (mlp always).")
+@click.option(
+    "--units",
+    default=None,
+    help="Units the search may cut, comma-separated, among layers, heads, mlp, "
+    "experts [default: every unit the model has; mlp (dense layers) and experts (MoE layers) always].",
+)
 @click.option("--budget", default=48, show_default=True, type=click.IntRange(1), help="Plans evaluated by the search.")
 @click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None, help="Stop searching after S s.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the search (same seed, same plan).")
@@ -493,10 +499,11 @@ def shrink(source, output, params, to, calibration, sequences, length, stock, un
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     size = parse_size(to) if to is not None else None
     source = _model_source(source, gguf_file)
+    chosen = None if units is None else tuple(u.strip() for u in units.split(",") if u.strip())
     try:
         result = run_shrink(
             source, output, params=params, to=size, calibration=calibration, sequences=sequences, length=length,
-            stock=stock, units=tuple(u.strip() for u in units.split(",") if u.strip()), budget=budget,
+            stock=stock, units=chosen, budget=budget,
             time_limit=time_limit, seed=seed, gguf_type=gguf_type, gguf_file=gguf_file,
             tokenizer_path=tokenizer_path, quiet=quiet, overwrite=overwrite, save=_save_atomically,
         )  # fmt: skip

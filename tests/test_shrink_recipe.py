@@ -36,7 +36,6 @@ def test_an_auto_arm_runs_end_to_end(tmp_path):
     [
         ({"auto": {"params": 0.2, "to": 100}}, "exactly one of"),
         ({"auto": {"params": 0.2}, "criterion": "magnitude"}, "searches its own cut"),
-        ({"auto": {"params": 0.2, "units": ["heads"]}}, "must include mlp"),
     ],
 )
 def test_bad_auto_arms_are_refused_in_one_line(arm, message):

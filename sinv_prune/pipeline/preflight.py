@@ -158,14 +158,19 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
 
 
 def check_auto(recipe: Recipe, adapter: HeadAdapter) -> None:
-    """``auto`` arms: a model shrink can search (no experts yet) and a ``to`` size it can reach."""
+    """``auto`` arms: units the model has (with the fill units of its layers) and a ``to`` size shrink can reach."""
     from sinv_prune.scoring.allocation import non_embedding_parameters
+    from sinv_prune.shrink.search import FILL_UNITS, model_units
 
     for i, arm in enumerate(recipe.prune.arms):
         if arm.auto is None:
             continue
-        if adapter.expert_counts():
-            raise RecipeError(f"prune.arms[{i}].auto: shrink does not search mixture-of-experts models yet")
+        has = model_units(adapter)
+        given = arm.auto.units
+        if given is not None and (set(given) - set(has) or not {u for u in has if u in FILL_UNITS} <= set(given)):
+            fill = " and ".join(u for u in has if u in FILL_UNITS)
+            raise RecipeError(f"prune.arms[{i}].auto.units: {given} for a model with {', '.join(has)}: they must be "
+                              f"among those and include {fill} (the units that meet the target to a step)")  # fmt: skip
         if arm.auto.to is not None:
             total = sum(p.numel() for p in adapter.model.parameters())
             free = non_embedding_parameters(adapter.model)

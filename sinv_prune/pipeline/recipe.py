@@ -30,7 +30,6 @@ from sinv_prune.scoring.amounts import check_amount
 from sinv_prune.units import get_unit, unit_names
 from sinv_prune.units import units as registered_units
 from sinv_prune.units.heads import HEADS
-from sinv_prune.units.mlp import MLP
 
 SCRATCH_ARCHITECTURES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
@@ -613,7 +612,8 @@ def _check_allocation(part) -> None:
 
 class AutoSpec(Strict):
     """An arm that searches its own cut (:func:`sinv_prune.shrink`): ``params`` (a share of the non-embedding
-    parameters) or ``to`` (parameters in all), over ``units`` (``mlp`` always among them), ``stock`` shapes
+    parameters) or ``to`` (parameters in all), over ``units`` (omitted: every unit the model has; ``mlp`` on
+    dense layers and ``experts`` on mixture-of-experts layers always among them), ``stock`` shapes
     only if asked; ``batches`` calibration sequences of ``data.seq_len`` tokens from the scoring split,
     ``budget`` plans evaluated, ``seed``, ``time_limit`` seconds, ``multiple`` channels a step, ``min_mlp``
     of each layer's channels kept."""
@@ -621,7 +621,7 @@ class AutoSpec(Strict):
     params: float | None = Field(None, gt=0, lt=1)
     to: int | None = Field(None, gt=0)
     stock: bool = False
-    units: list[Literal["layers", "heads", "mlp"]] = Field(default_factory=lambda: ["layers", "heads", "mlp"])
+    units: list[Literal["layers", "heads", "mlp", "experts"]] | None = Field(None, min_length=1)
     budget: int = Field(48, ge=1)
     batches: int = Field(64, ge=2)
     time_limit: float | None = Field(None, gt=0)
@@ -633,13 +633,12 @@ class AutoSpec(Strict):
     def _one_size(self):
         if (self.params is None) == (self.to is None):
             raise ValueError("auto: give exactly one of 'params' (a share) and 'to' (a parameter count)")
-        if MLP.name not in self.units:
-            raise ValueError("auto: units must include mlp (its channels meet the target to a step)")
         return self
 
     def shrink_options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`sinv_prune.shrink` (calibration, quiet aside)."""
-        return {"params": self.params, "to": self.to, "stock": self.stock, "units": tuple(self.units),
+        return {"params": self.params, "to": self.to, "stock": self.stock,
+                "units": None if self.units is None else tuple(self.units),
                 "budget": self.budget, "time_limit": self.time_limit, "multiple": self.multiple,
                 "min_mlp": self.min_mlp, "seed": self.seed}  # fmt: skip
 
@@ -761,7 +760,7 @@ class ArmSpec(Strict):
     def units(self) -> list[str]:
         """The units the arm removes, in part order without repeats."""
         if self.auto is not None:
-            return list(self.auto.units)
+            return list(self.auto.units or ["auto"])  # omitted: shrink searches every unit the model has
         if self.control:
             return []
         return list(dict.fromkeys(p.unit for p in self.part_specs))

@@ -1,9 +1,11 @@
-"""``shrink``: remove a share of a model's parameters by a joint search over whole layers, heads and MLP channels.
+"""``shrink``: remove a share of a model's parameters by a joint search over whole layers, heads, MLP channels
+and (mixture-of-experts models) routed experts.
 
 1. One pass over the calibration text measures what the search needs (:mod:`~sinv_prune.shrink.statistics`):
    per-layer statistics of the consumers, OBS orders, block influence.
-2. Seeds: the uniform single-unit cuts (MLP channels only; query heads / KV groups only; whole layers only,
-   the least influential blocks) and their mixes with uniform MLP channels making up the rest.
+2. Seeds: the uniform single-unit cuts (MLP channels only, or experts only on a MoE model; query heads / KV
+   groups only; whole layers only, the least influential blocks) and their mixes with uniform MLP channels
+   (experts) making up the rest.
 3. A (1 + 1) evolutionary search from the best seed (:meth:`~sinv_prune.shrink.space.Space.mutate`): a
    child replaces the best only when its fitness (KL to the unpruned model on held-out calibration
    tokens, every candidate with OBS selection and a guarded refit in each layer) is lower, so the result
@@ -20,7 +22,7 @@ import copy
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -35,14 +37,27 @@ from sinv_prune.shrink.fitness import Candidates
 from sinv_prune.shrink.space import Genome, Space, build_space
 from sinv_prune.shrink.statistics import Picks
 from sinv_prune.surgery.block_inputs import input_device
-from sinv_prune.surgery.consumer_statistics import Statistics
+from sinv_prune.surgery.consumer_statistics import Statistics, consumer_modules
 from sinv_prune.surgery.refit import write_consumer
 from sinv_prune.surgery.removal import count_parameters, prune
+from sinv_prune.units.experts import EXPERTS
 from sinv_prune.units.heads import HEADS
 from sinv_prune.units.layers import LAYERS
 from sinv_prune.units.mlp import MLP
 
-UNITS = (LAYERS.name, HEADS.name, MLP.name)
+#: The units shrink can search, in the order seeds are named by.
+UNITS = (LAYERS.name, HEADS.name, MLP.name, EXPERTS.name)
+#: The units that meet the target to a step (dense layers' MLP channels, MoE layers' experts).
+FILL_UNITS = (MLP.name, EXPERTS.name)
+
+
+def model_units(adapter) -> tuple[str, ...]:
+    """The units a model has to search: layers and heads, MLP channels where it has dense layers, experts where
+    it has MoE layers (a MoE layer's own channels are not searched)."""
+    counts = [adapter.num_experts(i) for i in range(adapter.num_layers)]
+    return (
+        (LAYERS.name, HEADS.name) + ((MLP.name,) if not all(counts) else ()) + ((EXPERTS.name,) if any(counts) else ())
+    )
 
 
 @dataclass
@@ -86,24 +101,24 @@ class ShrinkResult:
             f"{self.evaluations}/{self.budget} evaluations"
             + (" (stopped by the time limit)" if self.stopped_by_time else ""),  # fmt: skip
             "  held-out perplexity: " + ", ".join(f"{k} {v:.3f}" for k, v in self.heldout_ppl.items()),
-            f"  {'candidate':<14} {'removed':>8} {'layers':>7} {'heads':>6} {'mlp':>6} {'KL':>9}",
+            f"  {'candidate':<18} {'removed':>8} " + " ".join(f"{u:>7}" for u in self.shares) + f" {'KL':>9}",
         ]
         for name, s in self.seeds.items():
-            sh = s["shares"]
             tot = max(s["removed"], 1)
             lines.append(
-                f"  {name:<14} {100 * s['removed'] / ne:7.2f}% {100 * sh['layers'] / tot:6.0f}% "
-                f"{100 * sh['heads'] / tot:5.0f}% {100 * sh['mlp'] / tot:5.0f}% {s['fitness']:9.5f}"
+                f"  {name:<18} {100 * s['removed'] / ne:7.2f}% "
+                + " ".join(f"{100 * s['shares'][u] / tot:6.0f}%" for u in self.shares)
+                + f" {s['fitness']:9.5f}"
             )
         kept = [w for w in self.widths if not w.get("dropped")]
         dropped = [w["layer"] for w in self.widths if w.get("dropped")]
         heads = sorted({(w["heads"], w["kv_heads"]) for w in kept})
-        mlp = [w["mlp"] for w in kept]
-        lines.append(
-            f"  widths: layers dropped {dropped or 'none'}; heads (q, kv) {heads}; MLP {min(mlp)}-{max(mlp)}"
-            if kept
-            else "  widths: none"
-        )
+        mlp = [w[MLP.name] for w in kept if MLP.name in w]
+        experts = [w[EXPERTS.name] for w in kept if EXPERTS.name in w]
+        text = f"  widths: layers dropped {dropped or 'none'}; heads (q, kv) {heads}"
+        text += f"; MLP {min(mlp)}-{max(mlp)}" if mlp else ""
+        text += f"; experts {min(experts)}-{max(experts)}" if experts else ""
+        lines.append(text if kept else "  widths: none")
         t = self.seconds
         lines.append("  time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()))
         return "\n".join(lines)
@@ -119,7 +134,7 @@ def shrink(
     sequences: int = 64,
     length: int = 512,
     stock: bool = False,
-    units: tuple[str, ...] = UNITS,
+    units: tuple[str, ...] | None = None,
     multiple: int = 8,
     min_mlp: float = 0.25,
     budget: int = 48,
@@ -138,9 +153,11 @@ def shrink(
     ``calibration``: text (a file, a directory of files, a ``datasets`` id; ``tokenizer`` then needed) or
     batches / id tensors; ``sequences`` x ``length`` tokens are used, ``holdout`` of the sequences held out
     (refit guard, fitness on the first ``fitness_sequences`` of them cut to ``fitness_tokens``, perplexity
-    check on all). ``stock``: only shapes the stock class (and vLLM) load: the same heads and MLP width in
-    every kept layer. ``units``: which may go (``mlp`` is always among them: it meets the target to a step of
-    ``multiple`` channels); ``min_mlp``: share of each layer's channels that stays. Bad arguments raise a
+    check on all). ``stock``: only shapes the stock class (and vLLM) load: the same heads, MLP width and expert
+    count in every kept layer. ``units``: which may go (default: every unit the model has, :func:`model_units`;
+    the fill units are always among them: ``mlp`` on dense layers, meeting the target to a step of ``multiple``
+    channels, ``experts`` on MoE layers, to one expert); ``min_mlp``: share of each layer's channels (and
+    experts, at least ``num_experts_per_tok``) that stays. Bad arguments raise a
     one-line ``ValueError`` before anything changes. ``statistics``: the :class:`Statistics` of an earlier call
     on this same (unpruned) model and calibration, to skip the pass (``result.statistics`` holds it).
     ``refine``: also build the chosen plan block by block (:func:`~sinv_prune.prune` with ``compensate="obs"``
@@ -149,7 +166,7 @@ def shrink(
     """
     start = time.perf_counter()
     adapter = get_adapter(model)
-    units = tuple(units)
+    units = model_units(adapter) if units is None else tuple(units)
     _check(model, adapter, params, to, units, budget, holdout, fitness_sequences, min_mlp, multiple)
     before = count_parameters(model)
     non_emb = non_embedding_parameters(model)
@@ -238,8 +255,7 @@ def shrink(
             summary = None
         del sequential
     if summary is None:
-        modules = {(HEADS.name, i): adapter.out_proj(i) for i in range(adapter.num_layers)}
-        modules |= {(MLP.name, i): adapter.mlp_out(i) for i in range(adapter.num_layers)}
+        modules = consumer_modules(adapter)
         summary = prune(model, plan)
         for key, (_, weight, bias) in refits.items():
             write_consumer(modules[key], weight, bias)
@@ -272,14 +288,15 @@ def _check(model, adapter, params, to, units, budget, holdout, fitness_sequences
     if to is not None and (isinstance(to, bool) or not isinstance(to, int) or to <= 0):
         raise ValueError(f"to must be a positive parameter count, got {to!r}")
     unknown = sorted(set(units) - set(UNITS))
-    if unknown or MLP.name not in units:
-        raise ValueError(f"units must include 'mlp' and be among {', '.join(UNITS)}, got {list(units)}")
+    fill = [u for u in model_units(adapter) if u in FILL_UNITS]
+    if unknown or not set(fill) <= set(units):
+        raise ValueError(f"units must include {' and '.join(map(repr, fill))} (they meet the target to a step) "
+                         f"and be among {', '.join(UNITS)}, got {list(units)}")  # fmt: skip
+    if EXPERTS.name in units and EXPERTS.name not in fill:
+        raise ValueError(f"units: {model.config.model_type} has no mixture-of-experts layers: there are no experts")
     if budget < 1 or fitness_sequences < 1 or not 0 < holdout <= 0.5 or not 0 < min_mlp < 1 or multiple < 1:
         raise ValueError("budget and fitness_sequences must be >= 1, holdout in (0, 0.5], min_mlp in (0, 1), "
                          "multiple >= 1")  # fmt: skip
-    if adapter.expert_counts():
-        raise ValueError("shrink does not search mixture-of-experts models yet (experts are not in its space); "
-                         "use prune / Pruner with the experts unit")  # fmt: skip
     from sinv_prune.surgery.removal import unprunable_reason
 
     refusal = unprunable_reason(model, adapter)
@@ -288,38 +305,38 @@ def _check(model, adapter, params, to, units, budget, holdout, fitness_sequences
 
 
 def seed_genomes(space: Space, bypass: list[int], rng: random.Random) -> dict[str, Genome]:
-    """The uniform single-unit cuts and their mixes with uniform MLP channels (only those that exist)."""
+    """The uniform single-unit cuts and their mixes with uniform fill (MLP channels, experts) making up the rest
+    (only those that exist), each named by the units it takes from (``mlp``, ``heads+mlp``, ``layers+experts``)."""
     n = len(space.layers)
-    out: dict[str, Genome] = {}
+    found: list[Genome] = []
     stock_space = Space(space.layers, space.target, True, space.units, space.min_layers)
-    mlp = stock_space.repair(space.empty(), rng)
-    if mlp is not None:
-        out["mlp"] = mlp
+    found.append(stock_space.repair(space.empty(), rng))
     if HEADS.name in space.units:
         options = space.layers[0].heads
         same = all(len(s.heads) == len(options) for s in space.layers)
         by_cost = sorted(range(1, len(options)), key=lambda j: options[j].removed) if same else []
         whole = [j for j in by_cost if sum(s.heads[j].removed for s in space.layers) >= space.target]
         if whole:
-            out["heads"] = Genome((), (whole[0],) * n, (0,) * n)
+            found.append(replace(space.empty(), heads=(whole[0],) * n))
         under = [j for j in by_cost if j not in whole]
         if under:
-            mixed = stock_space.repair(Genome((), (under[-1],) * n, (0,) * n), rng)
-            if mixed is not None:
-                out["heads+mlp"] = mixed
+            found.append(stock_space.repair(replace(space.empty(), heads=(under[-1],) * n), rng))
     if LAYERS.name in space.units:
         block = space.layers[0].block
         need = -(-space.target // block)
         if need <= n - space.min_layers:
-            out["layers"] = Genome(tuple(sorted(bypass[:need])), (0,) * n, (0,) * n)
+            found.append(replace(space.empty(), dropped=tuple(sorted(bypass[:need]))))
         if need - 1 > 0:
-            mixed = stock_space.repair(Genome(tuple(sorted(bypass[: need - 1])), (0,) * n, (0,) * n), rng)
-            if mixed is not None:
-                out["layers+mlp"] = mixed
+            found.append(stock_space.repair(replace(space.empty(), dropped=tuple(sorted(bypass[: need - 1]))), rng))
+    out: dict[str, Genome] = {}
+    for g in found:
+        if g is not None:
+            out.setdefault("+".join(u for u, v in space.shares(g).items() if v) or "none", g)
     return out
 
 
 def _cut_consumers(genome: Genome, picks: Picks) -> dict[tuple[str, int], list[int]]:
+    """Per refitted consumer (``o_proj``, the dense down projection) the units ``genome`` removes from it."""
     out = {}
     for layer in range(len(genome.heads)):
         if layer in genome.dropped:
@@ -337,6 +354,10 @@ def to_plan(genome: Genome, picks: Picks) -> dict:
     plan: dict = {}
     for (unit, layer), removed in _cut_consumers(genome, picks).items():
         plan.setdefault(unit, {})[layer] = removed
+    experts = {layer: picks.experts(layer, genome.expert_cut(layer)) for layer in range(len(genome.heads))
+               if layer not in genome.dropped and genome.expert_cut(layer)}  # fmt: skip
+    if experts:
+        plan[EXPERTS.name] = experts
     if genome.dropped:
         plan[LAYERS.name] = list(genome.dropped)
     return plan
@@ -354,17 +375,22 @@ def widths(genome: Genome, space: Space, adapter) -> list[dict]:
             out.append({"layer": s.layer, "dropped": True})
             continue
         option = s.heads[genome.heads[s.layer]]
-        mlp = adapter.intermediate_size(s.layer) - genome.mlp[s.layer] * s.step
-        out.append({"layer": s.layer, "heads": option.heads, "kv_heads": option.groups, "mlp": mlp})
+        row = {"layer": s.layer, "heads": option.heads, "kv_heads": option.groups}
+        if s.expert:
+            row[EXPERTS.name] = adapter.num_experts(s.layer) - genome.expert_cut(s.layer)
+        else:
+            row[MLP.name] = adapter.intermediate_size(s.layer) - genome.mlp[s.layer] * s.step
+        out.append(row)
     return out
 
 
 def _sequential_build(model: nn.Module, plan: dict, seqs: list[torch.Tensor]):
-    """A copy of ``model`` cut by ``plan``: blocks dropped first, then heads and channels by sequential OBS
-    compensation on ``seqs`` (its own held-out guard); the copy and the summary of the whole cut."""
+    """A copy of ``model`` cut by ``plan``: blocks (and experts) dropped first, then heads and channels by
+    sequential OBS compensation on ``seqs`` (its own held-out guard); the copy and the summary of the whole cut."""
     other = copy.deepcopy(model)
     dropped = list(plan.get(LAYERS.name, []))
-    first = prune(other, {LAYERS.name: dropped}) if dropped else None
+    first_plan = {k: plan[k] for k in (LAYERS.name, EXPERTS.name) if k in plan}  # nothing to refit: cut first
+    first = prune(other, first_plan) if first_plan else None
     shift = {layer: layer - sum(d < layer for d in dropped) for layer in range(get_adapter(model).num_layers)}
     rest = {u: {shift[layer]: v for layer, v in plan[u].items()} for u in (HEADS.name, MLP.name) if u in plan}
     batches = [{"input_ids": torch.stack(seqs[i : i + 4])} for i in range(0, len(seqs), 4)]
@@ -372,6 +398,7 @@ def _sequential_build(model: nn.Module, plan: dict, seqs: list[torch.Tensor]):
     if first is not None:
         summary.params_before = first.params_before
         summary.removed_layers, summary.removed_layers_original = first.removed_layers, first.removed_layers_original
+        summary.experts = first.experts
     return other, summary
 
 

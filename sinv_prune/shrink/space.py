@@ -1,15 +1,18 @@
-"""What ``shrink`` searches over: per layer, drop the block, or keep it with some heads and MLP channels.
+"""What ``shrink`` searches over: per layer, drop the block, or keep it with some heads and MLP channels
+(a dense layer) or routed experts (a mixture-of-experts layer).
 
 A :class:`Genome` is one plan: the dropped blocks, per kept layer one :class:`HeadOption` (KV groups
-kept x query heads kept per group) and a number of MLP steps (``multiple`` channels each) removed.
+kept x query heads kept per group) and a number of *fill* steps removed: MLP steps (``multiple``
+channels each) in a dense layer, experts in a MoE layer (the channels inside experts are not searched).
 Its parameter count is exact (each option's cost is counted from the layer's own tensors), so a
-genome is :func:`repair` ed to remove at least the target and overshoot by less than one MLP step.
-``stock`` genomes keep the same head option and MLP width in every kept layer (the stock class and
-vLLM load those).
+genome is :func:`repair` ed to remove at least the target and overshoot by less than one fill step.
+``stock`` genomes keep the same head option, MLP width and expert count in every kept layer (the stock
+class, vLLM and llama.cpp load those).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -17,6 +20,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter
+from sinv_prune.units.experts import EXPERTS
 from sinv_prune.units.heads import HEADS, head_cost
 from sinv_prune.units.layers import LAYERS
 from sinv_prune.units.mlp import MLP, channel_cost
@@ -45,19 +49,46 @@ class LayerSpace:
     channel: int  # parameters of one MLP channel
     step: int  # channels per MLP step
     max_steps: int  # MLP steps the layer may lose
+    expert: int = 0  # parameters of one routed expert (with its router row); 0: a dense layer
+    max_experts: int = 0  # experts the layer may lose
+
+    @property
+    def fill_cost(self) -> int:
+        """Parameters one fill step removes: an expert in a MoE layer, ``step`` channels in a dense one."""
+        return self.expert if self.expert else self.step * self.channel
+
+    @property
+    def fill_max(self) -> int:
+        return self.max_experts if self.expert else self.max_steps
 
 
 @dataclass(frozen=True)
 class Genome:
-    """A plan in search form: dropped layers, per layer a head option index and MLP steps removed."""
+    """A plan in search form: dropped layers, per layer a head option index, MLP steps and experts removed
+    (``experts`` empty: none anywhere)."""
 
     dropped: tuple[int, ...]
     heads: tuple[int, ...]
     mlp: tuple[int, ...]
+    experts: tuple[int, ...] = ()
+
+    def expert_cut(self, layer: int) -> int:
+        return self.experts[layer] if self.experts else 0
+
+    def fill(self, s: LayerSpace) -> int:
+        """Fill steps ``s``'s layer takes: experts removed in a MoE layer, MLP steps in a dense one."""
+        return self.expert_cut(s.layer) if s.expert else self.mlp[s.layer]
+
+    def with_fill(self, space: Space, fill: list[int]) -> Genome:
+        """This genome with per-layer fill steps ``fill`` (experts in MoE layers, MLP steps elsewhere)."""
+        mlp = tuple(0 if s.expert else fill[s.layer] for s in space.layers)
+        experts = tuple(fill[s.layer] if s.expert else 0 for s in space.layers) if space.moe else ()
+        return replace(self, mlp=mlp, experts=experts)
 
     def key(self) -> tuple:
         kept = [i for i in range(len(self.heads)) if i not in self.dropped]
-        return self.dropped, tuple(self.heads[i] for i in kept), tuple(self.mlp[i] for i in kept)
+        return (self.dropped, tuple(self.heads[i] for i in kept), tuple(self.mlp[i] for i in kept),
+                tuple(self.expert_cut(i) for i in kept))  # fmt: skip
 
 
 @dataclass
@@ -70,73 +101,72 @@ class Space:
     units: tuple[str, ...] = (LAYERS.name, HEADS.name, MLP.name)
     min_layers: int = 1
 
+    @property
+    def moe(self) -> bool:
+        return any(s.expert for s in self.layers)
+
     def removed(self, g: Genome) -> int:
-        total = 0
-        for s in self.layers:
-            if s.layer in g.dropped:
-                total += s.block
-            else:
-                total += s.heads[g.heads[s.layer]].removed + g.mlp[s.layer] * s.step * s.channel
-        return total
+        return sum(self.shares(g).values())
 
     def empty(self) -> Genome:
         n = len(self.layers)
-        return Genome((), (0,) * n, (0,) * n)
+        return Genome((), (0,) * n, (0,) * n, (0,) * n if self.moe else ())
 
     def shares(self, g: Genome) -> dict[str, int]:
-        """Parameters each unit removes under ``g``."""
-        out = {"layers": 0, "heads": 0, "mlp": 0}
+        """Parameters each unit removes under ``g`` (``experts`` only on a model that has them)."""
+        out = {LAYERS.name: 0, HEADS.name: 0, MLP.name: 0} | ({EXPERTS.name: 0} if self.moe else {})
         for s in self.layers:
             if s.layer in g.dropped:
                 out[LAYERS.name] += s.block
             else:
                 out[HEADS.name] += s.heads[g.heads[s.layer]].removed
                 out[MLP.name] += g.mlp[s.layer] * s.step * s.channel
+                if s.expert:
+                    out[EXPERTS.name] += g.expert_cut(s.layer) * s.expert
         return out
 
     # -- making a genome meet the target ---------------------------------------------------------
 
     def repair(self, g: Genome, rng: random.Random) -> Genome | None:
-        """``g`` with MLP steps added or given back until it removes at least the target by less than one step
-        more than needed; None if no MLP width gets there."""
+        """``g`` with fill steps (MLP steps; experts in MoE layers) added or given back until it removes at
+        least the target by less than one step more than needed; None if no fill gets there."""
         kept = [s for s in self.layers if s.layer not in g.dropped]
         if len(kept) < self.min_layers:
             return None
-        mlp = list(g.mlp)
-        for layer in g.dropped:
-            mlp[layer] = 0
+        fill = [0 if s.layer in g.dropped else g.fill(s) for s in self.layers]
         if self.stock:
-            return self._repair_stock(g, kept, mlp)
-        g = replace(g, mlp=tuple(mlp))
+            return self._repair_stock(g, kept)
+        g = g.with_fill(self, fill)
         removed = self.removed(g)
         order = list(kept)
         rng.shuffle(order)  # ties broken by the seed, not by layer number
         while removed < self.target:  # take a step where the fewest have gone (towards even widths)
-            room = [s for s in order if mlp[s.layer] < s.max_steps]
+            room = [s for s in order if fill[s.layer] < s.fill_max]
             if not room:
                 return None
-            s = min(room, key=lambda s: mlp[s.layer])
-            mlp[s.layer] += 1
-            removed += s.step * s.channel
+            s = min(room, key=lambda s: fill[s.layer] / s.fill_max)
+            fill[s.layer] += 1
+            removed += s.fill_cost
         while True:  # give back a step where the most have gone, while the target still holds
-            back = [s for s in order if mlp[s.layer] > 0 and removed - s.step * s.channel >= self.target]
+            back = [s for s in order if fill[s.layer] > 0 and removed - s.fill_cost >= self.target]
             if not back:
                 break
-            s = max(back, key=lambda s: mlp[s.layer])
-            mlp[s.layer] -= 1
-            removed -= s.step * s.channel
-        return replace(g, mlp=tuple(mlp))
+            s = max(back, key=lambda s: fill[s.layer] / s.fill_max)
+            fill[s.layer] -= 1
+            removed -= s.fill_cost
+        return g.with_fill(self, fill)
 
-    def _repair_stock(self, g: Genome, kept: list[LayerSpace], mlp: list[int]) -> Genome | None:
+    def _repair_stock(self, g: Genome, kept: list[LayerSpace]) -> Genome | None:
+        """The same head option and the same fill steps in every kept layer (so one width per unit)."""
         option = g.heads[kept[0].layer]
         heads = tuple(0 if i in g.dropped else option for i in range(len(self.layers)))
-        base = replace(g, heads=heads, mlp=tuple(0 for _ in mlp))
+        base = replace(g, heads=heads).with_fill(self, [0] * len(self.layers))
         need = self.target - self.removed(base)
-        per_step = sum(s.step * s.channel for s in kept)
+        per_step = sum(s.fill_cost for s in kept)
         steps = max(0, -(-need // per_step))
-        if steps > min(s.max_steps for s in kept):
+        if steps > min(s.fill_max for s in kept):
             return None
-        return replace(base, mlp=tuple(0 if i in g.dropped else steps for i in range(len(self.layers))))
+        return base.with_fill(self, [0 if s.layer in g.dropped else steps for s in self.layers])
 
     # -- moves of the search ---------------------------------------------------------------------
 
@@ -147,9 +177,10 @@ class Space:
         block swapped for a kept one, one block more or fewer dropped (MLP steps pay for it). ``bypass``
         ranks the layers by how little they change their input (first: the cheapest to drop).
         """
-        moves = [m for m, unit in ((self._move_mlp, MLP.name), (self._move_heads, HEADS.name),
-                                   (self._swap_layer, LAYERS.name), (self._count_layers, LAYERS.name))
-                 if unit in self.units and not (self.stock and m == self._move_mlp)]  # fmt: skip
+        moves = [m for m, unit in ((self._move_fill, MLP.name), (self._move_fill, EXPERTS.name),
+                                   (self._move_heads, HEADS.name), (self._swap_layer, LAYERS.name),
+                                   (self._count_layers, LAYERS.name))
+                 if unit in self.units and not (self.stock and m == self._move_fill)]  # fmt: skip
         if not moves:
             return None
         child = g
@@ -157,19 +188,19 @@ class Space:
             child = rng.choice(moves)(child, rng, bypass) or child
         return self.repair(child, rng)
 
-    def _move_mlp(self, g: Genome, rng: random.Random, bypass) -> Genome | None:
+    def _move_fill(self, g: Genome, rng: random.Random, bypass) -> Genome | None:
+        """Fill steps from one kept layer to another of the same kind (dense or MoE); repair evens the count."""
         kept = [s for s in self.layers if s.layer not in g.dropped]
         if len(kept) < 2:
             return None
         a, b = rng.sample(kept, 2)
-        if g.mlp[a.layer] >= a.max_steps or g.mlp[b.layer] == 0:
+        if bool(a.expert) != bool(b.expert) or g.fill(a) >= a.fill_max or g.fill(b) == 0:
             return None
-        mlp = list(g.mlp)
-        size = max(1, rng.choice((1, 1, 2, 4)))
-        size = min(size, a.max_steps - mlp[a.layer], mlp[b.layer])
-        mlp[a.layer] += size
-        mlp[b.layer] -= size
-        return replace(g, mlp=tuple(mlp))
+        fill = [g.fill(s) for s in self.layers]
+        size = min(rng.choice((1, 1, 2, 4)), a.fill_max - fill[a.layer], fill[b.layer])
+        fill[a.layer] += size
+        fill[b.layer] -= size
+        return g.with_fill(self, fill)
 
     def _move_heads(self, g: Genome, rng: random.Random, bypass) -> Genome | None:
         kept = [s for s in self.layers if s.layer not in g.dropped and len(s.heads) > 1]
@@ -206,14 +237,14 @@ class Space:
 
     def _with_dropped(self, g: Genome, dropped: list[int]) -> Genome:
         """``g`` with these blocks dropped; a restored block takes the head option the others have most."""
-        heads, mlp = list(g.heads), list(g.mlp)
+        heads, fill = list(g.heads), [g.fill(s) for s in self.layers]
         common = max(set(heads), key=heads.count)
         for i in range(len(heads)):
             if i in dropped:
-                heads[i], mlp[i] = 0, 0
+                heads[i], fill[i] = 0, 0
             elif i in g.dropped:
                 heads[i] = common if self.stock else 0
-        return Genome(tuple(dropped), tuple(heads), tuple(mlp))
+        return Genome(tuple(dropped), tuple(heads), g.mlp).with_fill(self, fill)
 
 
 # -- building the space of a model -----------------------------------------------------------
@@ -223,9 +254,10 @@ def build_space(model: nn.Module, adapter: HeadAdapter, target: int, *, stock: b
                 multiple: int, min_mlp: float, min_layers: int = 1) -> Space:  # fmt: skip
     """The :class:`Space` of ``model`` for removing at least ``target`` parameters.
 
-    ``multiple``: MLP channels per step; ``min_mlp``: the share of each layer's channels that stays.
-    Head options keep at least one KV group and one query head per group (q_per_group and whole groups);
-    under ``stock`` only options whose head count the config can state (``hidden % heads == 0``).
+    ``multiple``: MLP channels per step; ``min_mlp``: the share of each layer's channels (and of a MoE
+    layer's experts, at least ``num_experts_per_tok``) that stays. Head options keep at least one KV group
+    and one query head per group (q_per_group and whole groups); under ``stock`` only options whose head
+    count the config can state (``hidden % heads == 0``).
     """
     hidden = int(getattr(model.config, "hidden_size", 0) or 0)
     layers = []
@@ -247,7 +279,12 @@ def build_space(model: nn.Module, adapter: HeadAdapter, target: int, *, stock: b
                     removed = (lay.num_heads - groups * per_group) * per_q + (lay.num_kv_heads - groups) * per_kv
                     options.append(HeadOption(groups, per_group, removed))
         width = adapter.intermediate_size(i)
-        step = multiple if MLP.name in units else width
+        step = multiple if MLP.name in units else max(width, 1)
         max_steps = int(width * (1 - min_mlp)) // step if MLP.name in units else 0
-        layers.append(LayerSpace(i, block, options, channel_cost(model, i), step, max_steps))
+        count = adapter.num_experts(i)
+        floor = max(EXPERTS._floor(adapter, None), math.ceil(min_mlp * count)) if count else 0
+        max_experts = count - floor if EXPERTS.name in units and count else 0
+        expert = EXPERTS.cost(model, i) if count else 0
+        channel = 0 if count else channel_cost(model, i)
+        layers.append(LayerSpace(i, block, options, channel, step, max_steps, expert, max_experts))
     return Space(layers, target, stock, tuple(units), min_layers)

@@ -7,6 +7,8 @@ From the consumers' statistics (:class:`~sinv_prune.surgery.consumer_statistics.
   quotas per group);
 * MLP channels: one greedy OBS pass, ``multiple`` channels a step (:func:`~sinv_prune.surgery.obs.obs_channel_order`),
   whose prefixes are every width's removal;
+* experts (MoE layers): the lowest REAP scores first (the statistics' ``expert_scores``); removing them
+  needs no refit (the router renormalises over the kept experts);
 * the refit of the kept columns (ridge walked on the held-out statistics, plain weights kept where the
   refit does not generalise: :func:`~sinv_prune.surgery.compensation.guarded_refit`), cached.
 
@@ -25,7 +27,7 @@ from sinv_prune.arch.base import head_rows
 from sinv_prune.progress import bar
 from sinv_prune.shrink.space import HeadOption, Space
 from sinv_prune.surgery.compensation import guarded_refit
-from sinv_prune.surgery.consumer_statistics import Statistics
+from sinv_prune.surgery.consumer_statistics import Statistics, consumer_modules
 from sinv_prune.surgery.obs import obs_channel_order, obs_order
 from sinv_prune.surgery.refit import consumer_weights
 from sinv_prune.units.heads import HEADS
@@ -43,13 +45,15 @@ class Picks:
         self._cap = cache
         n = self.adapter.num_layers
         # the unpruned weights, held now: candidates replace the live parameters (never in place)
-        self.weights = {(HEADS.name, i): consumer_weights(self.adapter.out_proj(i)) for i in range(n)}
-        self.weights |= {(MLP.name, i): consumer_weights(self.adapter.mlp_out(i)) for i in range(n)}
+        self.weights = {key: consumer_weights(module) for key, module in consumer_modules(self.adapter).items()}
+        self.expert_order = [sorted(range(len(row)), key=lambda e, row=row: (row[e], e)) for row in stats.expert_scores]
         for key, (weight, _) in self.weights.items():
             measured = stats.fits[key][0].in_features
             if measured != weight.shape[1]:
                 raise ValueError(f"statistics of another model: layer {key[1]} {key[0]} consumer has "
                                  f"{weight.shape[1]} inputs, the statistics {measured}")  # fmt: skip
+        if [len(row) for row in stats.expert_scores] != [self.adapter.num_experts(i) for i in range(n)]:
+            raise ValueError("statistics of another model: its expert counts differ")
         for s in bar(space.layers, desc="OBS orders", unit="layer", disable=quiet):
             if s.max_steps:
                 fit = self.stats.fits[MLP.name, s.layer][0]
@@ -87,6 +91,10 @@ class Picks:
             order = obs_order(sub, weight.index_select(1, cols), d, quotas, sum(q for _, q in quotas))[0]
             removed += [kept_heads[u] for u in order]
         return sorted(removed)
+
+    def experts(self, layer: int, count: int) -> list[int]:
+        """The ``count`` experts of ``layer`` with the lowest REAP scores (current numbering)."""
+        return sorted(self.expert_order[layer][:count])
 
     def channels(self, layer: int, steps: int) -> list[int]:
         """MLP channels (current numbering) removed by taking ``steps`` OBS steps in ``layer``."""

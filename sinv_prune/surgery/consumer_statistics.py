@@ -3,7 +3,9 @@
 Per layer, the normal equations of the attention output projection and of the MLP down projection
 against their own unpruned outputs (:class:`~sinv_prune.surgery.refit.ConsumerFit`; fit and held-out
 sequences apart), from which OBS orders and refits of any cut follow without another pass, and each
-block's influence (ShortGPT: ``1 - cos(input, output)``). The pass stops after the last block.
+block's influence (ShortGPT: ``1 - cos(input, output)``). The pass stops after the last block. A
+mixture-of-experts layer has no dense down projection; its routed experts are scored instead, by REAP
+(:class:`~sinv_prune.scoring.criteria.routing.ReapCriterion`) on the fit sequences, in a second pass.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from sinv_prune.units.heads import HEADS
 from sinv_prune.units.mlp import MLP
 
 
+def consumer_modules(adapter: HeadAdapter) -> dict[tuple[str, int], nn.Module]:
+    """Every layer's refitted consumers: ``o_proj`` (heads) and, in a dense layer, the down projection (MLP)."""
+    n = adapter.num_layers
+    out = {(HEADS.name, i): adapter.out_proj(i) for i in range(n)}
+    return out | {(MLP.name, i): adapter.mlp_out(i) for i in range(n) if not adapter.num_experts(i)}
+
+
 class Statistics:
     """Per layer the fit / held-out :class:`ConsumerFit` of ``o_proj`` and the down projection; block influence."""
 
@@ -31,8 +40,7 @@ class Statistics:
         self.fits: dict[tuple[str, int], tuple[ConsumerFit, ConsumerFit]] = {}
         self.influence = [0.0] * n
         counts = [0] * n
-        consumers = {(HEADS.name, i): adapter.out_proj(i) for i in range(n)}
-        consumers |= {(MLP.name, i): adapter.mlp_out(i) for i in range(n)}
+        consumers = consumer_modules(adapter)
         for key, module in consumers.items():
             weight, bias = consumer_weights(module)
             fit, held = (ConsumerFit(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
@@ -74,10 +82,23 @@ class Statistics:
                         model(input_ids=ids.to(device), use_cache=False)
                     progress.update(ids.shape[0])
         self.influence = [v / max(c, 1) for v, c in zip(self.influence, counts, strict=True)]
+        #: Per layer the routed experts' REAP scores (higher: more useful), ``[]`` for a dense layer.
+        self.expert_scores: list[list[float]] = [[] for _ in range(n)]
+        if adapter.expert_counts():
+            self.expert_scores = _reap(model, [ids for ids, held in groups if not held] or [groups[0][0]], quiet)
 
     def bypass_order(self) -> list[int]:
         """Layers from the one that changes its input least (cheapest to drop) to the most."""
         return sorted(range(len(self.influence)), key=lambda i: self.influence[i])
+
+
+def _reap(model: nn.Module, batches: list[torch.Tensor], quiet: bool) -> list[list[float]]:
+    from sinv_prune.scoring.criteria.routing import ReapCriterion
+
+    criterion = ReapCriterion()
+    for ids in bar(batches, desc="expert scores (REAP)", unit="batch", disable=quiet):
+        criterion.update(model, {"input_ids": ids})
+    return criterion.scores(model)
 
 
 def _batches(sequences, heldout, batch: int) -> list[tuple[torch.Tensor, bool]]:

@@ -1,0 +1,114 @@
+"""shrink on mixture-of-experts models: routed experts in the joint search (tiny random Qwen3-MoE with a dense
+layer mixed in, and Mixtral, every layer MoE)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+import transformers
+from test_experts import tiny_moe
+
+import sinv_prune
+from sinv_prune.arch import get_adapter
+from sinv_prune.scoring.allocation import non_embedding_parameters
+
+
+def sequences(n: int = 16, length: int = 40, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return list(torch.randint(2, 64, (n, length), generator=g))
+
+
+def heldout_ppl(model, seqs, every: int = 8) -> float:
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i, ids in enumerate(seqs):
+            if i % every == every - 1:
+                logits = model(input_ids=ids[None]).logits[0, :-1].float()
+                total += float(F.cross_entropy(logits, ids[1:], reduction="sum"))
+                count += ids.numel() - 1
+    return math.exp(total / count)
+
+
+def shrink(model, share=0.3, **kw):
+    kw = {"calibration": sequences(), "budget": 14, "multiple": 4, "quiet": True, **kw}
+    return sinv_prune.shrink(model, share, **kw)
+
+
+@pytest.mark.parametrize(("family", "fill"), [("qwen3_moe", "mlp+experts"), ("mixtral", "experts")])
+def test_experts_are_searched_and_the_built_model_is_what_was_measured(family, fill, tmp_path):
+    model = tiny_moe(family)
+    counts = get_adapter(model).expert_counts()
+    target = math.ceil(0.3 * non_embedding_parameters(model))
+    result = shrink(model)
+    assert result.settings["units"][-1] == "experts" and "experts" in result.shares
+    assert fill in result.seeds  # the uniform fill-only seed: experts (and MLP channels in the dense layer)
+    assert result.fitness <= min(s["fitness"] for s in result.seeds.values()) + 1e-12
+    assert result.removed >= target and result.params_before - result.params_after == result.removed
+    # the candidate masked the removed experts' router logits; the sliced model must compute the same
+    assert heldout_ppl(model, sequences()) == pytest.approx(result.heldout_ppl[result.chosen], rel=1e-4)
+    kept = get_adapter(model).expert_counts()
+    assert sum(counts) - sum(kept) == sum(len(v) for v in result.plan.get("experts", {}).values())
+    assert all(k >= model.config.num_experts_per_tok for k in kept if k)
+    model.save_pretrained(tmp_path)
+    ids = sequences()[2][None]
+    with torch.no_grad():
+        torch.testing.assert_close(sinv_prune.from_pretrained(tmp_path)(input_ids=ids).logits,
+                                   model(input_ids=ids).logits)  # fmt: skip
+
+
+def test_stock_moe_keeps_one_expert_count_and_reloads_on_the_stock_class(tmp_path):
+    model = tiny_moe("mixtral")
+    result = shrink(model, 0.35, stock=True)
+    kept = get_adapter(model).expert_counts()
+    assert len(set(kept)) == 1 and len({(w["heads"], w["kv_heads"]) for w in result.widths if "heads" in w}) == 1
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # no remote code
+    assert type(reloaded) is transformers.MixtralForCausalLM
+    ids = sequences()[3][None]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_expert_seeds_are_deterministic_per_seed():
+    plans = [shrink(tiny_moe("qwen3_moe"), seed=0).plan for _ in range(2)]
+    assert plans[0] == plans[1]
+
+
+@pytest.mark.parametrize(
+    ("family", "units", "message"),
+    [("mixtral", ("layers", "heads", "mlp"), "must include 'experts'"),
+     ("qwen3_moe", ("heads", "experts"), "must include 'mlp' and 'experts'"),
+     (None, ("mlp", "experts"), "no mixture-of-experts layers")],
+)  # fmt: skip
+def test_units_must_hold_each_layers_fill_unit(family, units, message):
+    if family is None:
+        from test_shrink import tiny_llama
+
+        model = tiny_llama()
+    else:
+        model = tiny_moe(family)
+    with pytest.raises(ValueError, match=message):
+        shrink(model, units=units, calibration=sequences(4))
+
+
+def test_an_auto_arm_shrinks_a_moe_recipe_by_its_experts(tmp_path):
+    import copy
+    import json
+
+    from test_moe_recipe import TINY_MOE, invoke, recipe_file
+
+    data = copy.deepcopy(TINY_MOE)
+    data["prune"] = {"arms": [{"auto": {"params": 0.3, "budget": 6, "batches": 8}}]}
+    result = invoke(recipe_file(tmp_path, data), "--output", tmp_path / "out", "--quiet")
+    assert result.exit_code == 0, result.output
+    arm = json.loads((tmp_path / "out" / "results.json").read_text())["arms"][0]
+    assert arm["shrink"]["shares"]["experts"] > 0 and arm["experts_removed"] > 0
+    assert arm["shrink"]["settings"]["units"] == ["layers", "heads", "experts"]  # every unit the model has
+    bad = copy.deepcopy(data)
+    bad["prune"]["arms"][0]["auto"]["units"] = ["heads", "mlp"]
+    refused = invoke(recipe_file(tmp_path, bad), "--output", tmp_path / "bad", "--quiet")
+    assert refused.exit_code == 2 and "auto.units" in refused.output and "include experts" in refused.output
+    assert not (tmp_path / "bad").exists()
