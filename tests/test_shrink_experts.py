@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812
 import transformers
 from test_experts import tiny_moe
+from test_shrink import heldout_ppl
 
 import sinv_prune
 from sinv_prune.arch import get_adapter
@@ -19,17 +19,6 @@ from sinv_prune.scoring.allocation import non_embedding_parameters
 def sequences(n: int = 16, length: int = 40, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return list(torch.randint(2, 64, (n, length), generator=g))
-
-
-def heldout_ppl(model, seqs, every: int = 8) -> float:
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i, ids in enumerate(seqs):
-            if i % every == every - 1:
-                logits = model(input_ids=ids[None]).logits[0, :-1].float()
-                total += float(F.cross_entropy(logits, ids[1:], reduction="sum"))
-                count += ids.numel() - 1
-    return math.exp(total / count)
 
 
 def shrink(model, share=0.3, **kw):
