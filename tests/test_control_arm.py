@@ -79,3 +79,11 @@ def test_a_curve_without_tasks_measures_perplexity_only(monkeypatch):
     monkeypatch.setattr(lmeval, "evaluate_tasks", lambda *a, **k: pytest.fail("a task ran at a curve point"))
     point = curve_evaluator(run, masked_lm=False)(tiny_model("gpt2"))
     assert list(point) == ["perplexity"] and math.isfinite(point["perplexity"])
+
+
+def test_the_dry_run_counts_a_control_arm_once(tmp_path):
+    result = invoke(recipe_file(tmp_path, CONTROL), "--output", tmp_path / "out", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "arm control: prunes nothing" in result.output
+    # baseline, the control fine-tuned, the magnitude arm pruned and fine-tuned: the control's start is the baseline
+    assert "4 models x" in result.output and "5 models x" not in result.output

@@ -580,7 +580,7 @@ def _evaluate_row(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> Row:
     if spec.speed:
         speed_tokens = spec.speed_batch_size * (spec.speed_seq_len or data.seq_len)
         eval_s += 2 * (3 + spec.speed_repeats) * probe.forward(speed_tokens)  # warm-up + repeats, two models
-    arms = len(recipe.prune.arms) * (2 if recipe.finetune is not None else 1)
+    arms = recipe.evaluated_models - 1  # arm models (a control arm's pruned one is the baseline)
     load = probe.build_s + probe.param_bytes / probe.read_bps
     what = f"{1 + arms} models x {windows} windows of {data.seq_len} tokens" + (" + speed" if spec.speed else "")
     what += " + expert routing" if probe.moe else ""

@@ -921,6 +921,13 @@ class Recipe(Strict):
 
     _base_dir: Path = PrivateAttr(default=Path("."))
 
+    @property
+    def evaluated_models(self) -> int:
+        """Models the evaluate stage measures: the baseline, each arm as pruned (a control arm's is the baseline)
+        and, with a fine-tune, as fine-tuned."""
+        tuned = self.finetune is not None
+        return 1 + sum((0 if arm.control else 1) + tuned for arm in self.prune.arms)
+
     def resolve(self, path: str) -> str:
         """A data/model path relative to the recipe file; ``pkg://NAME`` -> installed package dir."""
         if path.startswith("pkg://"):

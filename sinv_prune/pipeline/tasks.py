@@ -113,7 +113,7 @@ def estimate_rows(recipe: Recipe, probe) -> list:
     from sinv_prune.pipeline.generations import DEFAULT_PROMPTS, NEW_TOKENS
 
     spec = recipe.evaluate
-    models = 1 + len(recipe.prune.arms) * (2 if recipe.finetune is not None else 1)
+    models = recipe.evaluated_models
     rows = []
     if spec.tasks:
         seconds, counted, rest = task_seconds(recipe, probe)
