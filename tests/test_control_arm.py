@@ -87,3 +87,26 @@ def test_the_dry_run_counts_a_control_arm_once(tmp_path):
     assert "arm control: prunes nothing" in result.output
     # baseline, the control fine-tuned, the magnitude arm pruned and fine-tuned: the control's start is the baseline
     assert "4 models x" in result.output and "5 models x" not in result.output
+
+
+def test_a_bf16_curve_point_measures_the_float32_model(tmp_path):
+    import torch
+    from conftest import tiny_model
+    from test_distill import finetune_spec
+    from test_recovery_finetune import random_blocks, train
+
+    from sinv_prune.pipeline.evaluation import perplexity
+    from sinv_prune.pipeline.recovery import RecoveryCurve
+
+    ids = torch.randint(3, 60, (160,), generator=torch.Generator().manual_seed(3))
+
+    def evaluate(model):
+        return {"perplexity": perplexity(model, ids, seq_len=16, progress=False)["perplexity"]}
+
+    model = tiny_model("llama").train()
+    curve = RecoveryCurve(evaluate, 64, 16, tmp_path / "curve.json")
+    spec = finetune_spec(max_steps=3, distill=None, bf16=True, learning_rate=1e-2)
+    train(tmp_path, model, random_blocks(), spec, callbacks=[curve])
+    assert "forward" not in model.__dict__  # run_trainer gave the model its own forward back
+    final = perplexity(model.eval(), ids, seq_len=16, progress=False)["perplexity"]
+    assert curve.points[-1]["step"] == 3 and curve.points[-1]["perplexity"] == pytest.approx(final, rel=1e-9)

@@ -19,6 +19,7 @@ at the next step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -53,7 +54,8 @@ class RecoveryCurve(TrainerCallback):
             was_training = model.training
             model.eval()
             try:
-                point = {"tokens": step * self._per_step(args), "step": step, **self.evaluate(model)}
+                with own_forward(model):
+                    point = {"tokens": step * self._per_step(args), "step": step, **self.evaluate(model)}
             finally:
                 model.train(was_training)
             self.points.append(point)
@@ -83,6 +85,23 @@ class RecoveryCurve(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if not self.points or self.points[-1]["step"] != state.global_step:
             self._add(args, state, model, state.global_step)
+
+
+@contextlib.contextmanager
+def own_forward(model):
+    """Within the block, ``model`` runs its own ``forward``: under the Trainer's mixed precision (``bf16``)
+    accelerate replaces it by one wrapped in autocast, and a curve point must measure what the saved float32
+    model computes, not its bfloat16 products."""
+    original = model.__dict__.get("_original_forward")
+    if original is None or "forward" not in model.__dict__:
+        yield
+        return
+    wrapped = model.__dict__["forward"]
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = wrapped
 
 
 def curve_evaluator(run, masked_lm: bool) -> Callable:

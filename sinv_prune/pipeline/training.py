@@ -180,7 +180,22 @@ def run_trainer(
     last = get_last_checkpoint(str(output_dir)) if resume and Path(output_dir).is_dir() else None
     if last:
         logger.info("resuming training from %s", last)
-    return trainer.train(resume_from_checkpoint=last)
+    try:
+        return trainer.train(resume_from_checkpoint=last)
+    finally:
+        _unwrap_forward(model)
+
+
+def _unwrap_forward(model) -> None:
+    """Give ``model`` back its own ``forward``: the Trainer's mixed precision (accelerate) replaces it by one that
+    runs under autocast, which would outlive the training (a bf16 fine-tune's model then computing in bfloat16)."""
+    original = model.__dict__.pop("_original_forward", None)
+    if original is None:
+        return
+    if getattr(original, "__func__", None) is type(model).forward and getattr(original, "__self__", None) is model:
+        model.__dict__.pop("forward", None)  # the class's forward again
+    else:
+        model.forward = original
 
 
 def remove_checkpoints(output_dir: Path) -> None:
