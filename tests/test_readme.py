@@ -133,7 +133,12 @@ def test_every_python_block_runs_on_the_model_the_readme_builds(tmp_path, monkey
 
     deploy = text().split("## Evaluate and deploy", 1)[1]
     (commands,) = [code for kind, code in BLOCK.findall(deploy)[:1] if kind == "bash"]
+    from sinv_prune.lmeval.lastword import wikitext_dir
+
+    has_text = (wikitext_dir() / "test.txt").is_file()
     for line in commands.strip().splitlines():
+        if line.startswith("sinv-prune eval") and "wikitext_lastword" in line and not has_text:
+            continue  # its task reads WikiText-2's test.txt, absent here (the other commands still run)
         result = CliRunner().invoke(main, shlex.split(line)[1:])
         assert result.exit_code == 0, (line, result.output)
         if line.startswith("sinv-prune eval"):
