@@ -2,11 +2,12 @@
 
 Removing heads or channels is exactly zeroing their columns in the consumer (``o_proj``, the down
 projection), so a candidate writes, per layer, its refitted kept columns into a full-width weight
-with zeros elsewhere; a dropped block's ``forward`` returns its input; a removed expert's router logit
-is ``-inf`` (a forward hook on the router, which then routes again as the family does: exactly what the
-sliced router computes). Nothing is sliced, so going from one candidate to the next rewrites only the
-layers that differ. :class:`Candidates` is a context manager: on exit every consumer gets its own
-parameters back, every block its forward and every router its own output.
+with zeros elsewhere; a dropped block's ``forward`` returns its input; a removed expert's gate is 0
+(:func:`~sinv_prune.scoring.gates.expert_gates`: its router logit ``-inf``, the router routing again as
+the family does, which is exactly what the sliced router computes). Nothing is sliced, so going from
+one candidate to the next rewrites only the layers that differ. :class:`Candidates` is a context
+manager: on exit every consumer gets its own parameters back, every block its forward and every
+router its own output.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from sinv_prune.arch import HeadAdapter
 from sinv_prune.arch.base import linear_weight
 from sinv_prune.scoring.criteria.base import preserve_modes
+from sinv_prune.scoring.gates import expert_gates
 from sinv_prune.shrink.space import Genome
 from sinv_prune.shrink.statistics import Picks
 from sinv_prune.surgery.block_inputs import input_device
@@ -38,22 +40,20 @@ class Candidates:
     def __init__(self, model: nn.Module, adapter: HeadAdapter, picks: Picks, batches: Sequence[torch.Tensor]):
         self.model, self.adapter, self.picks = model, adapter, picks
         self.batches = list(batches)
-        n = adapter.num_layers
         self._modules = consumer_modules(adapter)
         self._saved = {k: (m.weight, getattr(m, "bias", None)) for k, m in self._modules.items()}
         self._applied: dict[tuple[str, int], tuple] = {}
         self._dropped: set[int] = set()
         self.reference: list[torch.Tensor] = []
         self._modes = None
-        # per MoE layer the additive router mask (0 kept, -inf removed) the hooks read
-        self._masks = {i: torch.zeros(c, device=adapter.router(i).weight.device)
-                       for i in range(n) if (c := adapter.num_experts(i))}  # fmt: skip
-        self._hooks: list = []
+        self._gates_context = None
+        self._gates: list[torch.Tensor] = []  # per layer the expert gates (1 kept, 0 removed; empty: dense)
 
     def __enter__(self) -> Candidates:
         self._modes = preserve_modes(self.model)
         self._modes.__enter__()
-        self._hooks = [self.adapter.router(i).register_forward_hook(self._route(i)) for i in self._masks]
+        self._gates_context = expert_gates(self.model, requires_grad=False)
+        self._gates = self._gates_context.__enter__()
         self.model.eval()
         with torch.no_grad():
             self.reference = [torch.log_softmax(self.logits(b), -1) for b in self.batches]
@@ -63,22 +63,10 @@ class Candidates:
         try:
             self.reset()
         finally:
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks = []
+            self._gates_context.__exit__(*exc)
+            self._gates = []
             self.reference = []
             self._modes.__exit__(*exc)
-
-    def _route(self, layer: int):
-        mask = self._masks[layer]
-
-        def hook(module, args, output):
-            if not bool((mask != 0).any()):
-                return None
-            logits = output[0] + mask.to(output[0].dtype)
-            return (logits, *self.adapter.route(layer, logits))
-
-        return hook
 
     def reset(self) -> None:
         """The unpruned model again: original parameters, every block's own forward."""
@@ -87,8 +75,8 @@ class Candidates:
         for layer in list(self._dropped):
             del self.adapter.layers()[layer].forward
         self._dropped.clear()
-        for mask in self._masks.values():
-            mask.zero_()
+        for gate in self._gates:
+            gate.fill_(1.0)
 
     def _restore(self, key) -> None:
         module = self._modules[key]
@@ -111,10 +99,10 @@ class Candidates:
                 self._dropped.discard(layer)
             heads = [] if drop else self.picks.heads(layer, genome.heads[layer])
             self._set((HEADS.name, layer), heads)
-            if layer in self._masks:
-                self._masks[layer].zero_()
+            if self.adapter.num_experts(layer):
+                self._gates[layer].fill_(1.0)
                 if not drop:
-                    self._masks[layer][self.picks.experts(layer, genome.expert_cut(layer))] = float("-inf")
+                    self._gates[layer][self.picks.experts(layer, genome.expert_cut(layer))] = 0.0
             else:
                 self._set((MLP.name, layer), [] if drop else self.picks.channels(layer, genome.mlp[layer]))
 
