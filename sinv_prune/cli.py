@@ -123,14 +123,15 @@ def main() -> None:
     """Find and physically remove attention heads, MLP channels and whole layers from transformers models.
 
     \b
-    sinv-prune RECIPE.yaml --output DIR    run a recipe (train, score, prune, fine-tune, evaluate, report)
-    sinv-prune quickstart                  the built-in offline quickstart recipe
-    sinv-prune prune MODEL OUT --heads ..  remove given heads / --mlp channels / --experts / --layers (or --plan)
-    sinv-prune eval MODEL --tasks ..       zero-shot tasks through lm-evaluation-harness
-    sinv-prune export SOURCE OUT.gguf      write a GGUF file for llama.cpp
-    sinv-prune info MODEL                  what was removed from a pruned model and how it reloads
-    sinv-prune push MODEL --repo-id ..     check that it reloads, then push it with a model card
-    sinv-prune align MODEL -o DIR          symmetry-breaking analysis: tokens aligned with E[b_Q] per head
+    sinv-prune [run] RECIPE.yaml -o DIR      run a recipe (train, score, prune, fine-tune, evaluate, report)
+    sinv-prune quickstart                    the built-in offline quickstart recipe
+    sinv-prune shrink MODEL OUT --params ..  remove a share of the parameters (or --to SIZE): searched cut, refit
+    sinv-prune prune MODEL OUT --heads ..    remove given heads / --mlp channels / --experts / --layers (or --plan)
+    sinv-prune eval MODEL --tasks ..         zero-shot tasks through lm-evaluation-harness
+    sinv-prune export SOURCE OUT.gguf        write a GGUF file for llama.cpp
+    sinv-prune info MODEL                    what was removed from a pruned model and how it reloads
+    sinv-prune push MODEL --repo-id ..       check that it reloads, then push it with a model card
+    sinv-prune align MODEL -o DIR            symmetry-breaking analysis: tokens aligned with E[b_Q] per head
     """
 
 

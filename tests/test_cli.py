@@ -118,6 +118,25 @@ def test_help_names_every_unit_and_command():
     assert all(option in run("prune", "--help").output for option in ("--mlp", "--layers", "--plan"))
 
 
+def summary_block(help_text: str) -> list[str]:
+    """The ``sinv-prune ...`` lines of the group help's summary block (above the click option list)."""
+    head = help_text.split("\nOptions:", 1)[0]
+    return [line.strip() for line in head.splitlines() if line.strip().startswith("sinv-prune ")]
+
+
+def test_the_help_summary_lists_every_command_with_shrink_first_of_the_model_commands():
+    """A command added to the CLI is added to the summary block too; each line names a command or a recipe."""
+    from sinv_prune.pipeline.recipe import builtin_recipes
+
+    lines = summary_block(run("--help").output)
+    names = [line.split()[1].strip("[]") for line in lines]
+    assert set(main.commands) <= set(names), sorted(set(main.commands) - set(names))
+    assert set(names) <= set(main.commands) | set(builtin_recipes()), names  # no stale command
+    model_commands = [n for n in names if n in main.commands and n != "run"]
+    assert model_commands[0] == "shrink", model_commands
+    assert lines[names.index("run")].startswith("sinv-prune [run] RECIPE")  # `run` may be left out
+
+
 def test_prune_takes_mlp_channels_and_layers(source, tmp_path):
     src, model = source
     result = run("prune", src, tmp_path / "out", "--heads", "0:1", "--mlp", "1:0-9,20", "--layers", "2")
