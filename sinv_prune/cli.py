@@ -117,6 +117,18 @@ class RecipeGroup(click.Group):
             formatter.write_dl(rows)
 
 
+def console_options(result: str, detail: str):
+    """``-q`` / ``-v`` of a command that logs and draws progress (:func:`_command_console`); ``result`` says what
+    ``-q`` still prints, ``detail`` what ``-v`` adds."""
+
+    def decorate(command):
+        quiet = click.option("-q", "--quiet", is_flag=True, help=f"No progress bars or console log; {result}.")
+        verbose = click.option("-v", "--verbose", is_flag=True, help=f"Every log line on the console too ({detail}).")
+        return quiet(verbose(command))
+
+    return decorate
+
+
 @click.group(cls=RecipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="sinv-prune")
 def main() -> None:
@@ -143,13 +155,7 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing run directory.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished stage.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when present).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars or console log; the summary still prints.")
-@click.option(
-    "-v",
-    "--verbose",
-    is_flag=True,
-    help="Every log line on the console too (training metrics, transformers' warnings), as in run.log.",
-)
+@console_options("the summary still prints", "training metrics, transformers' warnings, as in run.log")
 @click.option(
     "--threads",
     default="auto",
@@ -269,16 +275,12 @@ def _run(recipe, output: Path, *, verbose: bool = False, **kwargs) -> None:
     from sinv_prune.pipeline.recipe import RecipeError
     from sinv_prune.pipeline.rundir import RunDirError
     from sinv_prune.pipeline.stages import RunStageError, run_recipe
-    from sinv_prune.progress import progress_mode
 
     main = main_by_env()  # under torchrun / accelerate launch only the main process prints and cleans up
     fresh = main and not output.exists()
     quiet = kwargs["quiet"] = kwargs["quiet"] or not main
-    # Progress bars on a terminal (or with -v); in a log or a pipe they would be thousands of redraws,
-    # so there a long stage writes a note line now and then instead.
-    mode = "off" if quiet else "bars" if verbose or sys.stderr.isatty() else "notes"
     try:
-        with _console(quiet=quiet, verbose=verbose), progress_mode(mode):
+        with _command_console(quiet=quiet, verbose=verbose):
             results = run_recipe(recipe, output, **kwargs)
     except (RunStageError, FloatingPointError) as err:  # FloatingPointError: training diverged (ECD's NaN limit)
         raise UsageError(_one_line(err)) from None  # finished stages stay for --resume
@@ -301,6 +303,20 @@ class _ConsoleFilter:
         import logging
 
         return self.verbose or record.levelno >= logging.WARNING or getattr(record, "console", False)
+
+
+@contextlib.contextmanager
+def _command_console(*, quiet: bool, verbose: bool):
+    """The console of a long command (``run``, ``eval``): its log lines (:func:`_console`) and its progress.
+
+    Progress bars on a terminal (or with ``-v``); in a log or a pipe they would be thousands of redraws,
+    so there a long loop writes a note line now and then instead; ``quiet``: neither.
+    """
+    from sinv_prune.progress import progress_mode
+
+    mode = "off" if quiet else "bars" if verbose or sys.stderr.isatty() else "notes"
+    with _console(quiet=quiet, verbose=verbose), progress_mode(mode):
+        yield
 
 
 @contextlib.contextmanager
@@ -673,8 +689,9 @@ def push(source: Path, repo_id: str, private: bool, revision, overwrite: bool, c
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when present).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write each task's metrics to FILE.")
 @click.option("--overwrite", is_flag=True, help="Replace the --json FILE if it exists.")
+@console_options("the results still print", "transformers' warnings, lm-eval's log lines and prints")
 def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens, gguf_file, tokenizer, device,
-          json_path, overwrite):  # fmt: skip
+          json_path, overwrite, quiet, verbose):  # fmt: skip
     """Zero-shot tasks (lm-evaluation-harness) on the model at SOURCE: a checkpoint directory, Hub id or GGUF file."""
     from sinv_prune.lmeval.command import evaluate_source
     from sinv_prune.lmeval.harness import TasksError, make_table, require_lm_eval
@@ -695,11 +712,12 @@ def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens,
         raise UsageError(f"{json_path} exists; pass --overwrite to replace it")
     source = _model_source(source, gguf_file)
     try:
-        out = evaluate_source(
-            source, names, gguf_file=gguf_file, limit=int(limit) if limit and limit >= 1 else limit,
-            num_fewshot=num_fewshot, batch_size=batch_size, device=device, perplexity=perplexity,
-            max_tokens=max_tokens, tokenizer=tokenizer,
-        )  # fmt: skip
+        with _command_console(quiet=quiet, verbose=verbose):
+            out = evaluate_source(
+                source, names, gguf_file=gguf_file, limit=int(limit) if limit and limit >= 1 else limit,
+                num_fewshot=num_fewshot, batch_size=batch_size, device=device, perplexity=perplexity,
+                max_tokens=max_tokens, tokenizer=tokenizer,
+            )  # fmt: skip
     except (TasksError, OSError, ValueError) as err:
         raise UsageError(_one_line(err)) from None
     if "raw" in out:

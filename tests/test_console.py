@@ -132,3 +132,51 @@ def test_progress_outside_a_terminal(task_recipe, tmp_path, monkeypatch, flags):
     else:
         assert lm_eval_bars and "Building contexts for tiny_mc" in console  # lm-eval's bars and INFO lines
     assert "tiny_mc" in (tmp_path / "out" / "results.json").read_text()
+
+
+# -- sinv-prune eval: the same console as a run ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eval_source(tmp_path_factory):
+    """A tiny GPT-2 with its word tokenizer, a local multiple-choice task and a stand-in WikiText-2 test text."""
+    pytest.importorskip("lm_eval", reason='lm-eval is not installed (pip install "sinv_prune[eval]")')
+    from conftest import tiny_model
+    from test_lmeval import WORDS, fake_wikitext, mc_task, word_tokenizer
+
+    tmp = tmp_path_factory.mktemp("eval_console")
+    tiny_model("gpt2").save_pretrained(tmp / "model")
+    word_tokenizer([" ".join(WORDS)]).save_pretrained(tmp / "model")
+    mc_task(tmp / "mc", n=12)
+    (tmp / "wikitext").mkdir()
+    fake_wikitext(tmp / "wikitext" / "test.txt", paragraphs=10)
+    return tmp
+
+
+@pytest.mark.parametrize("flags", [(), ("-q",), ("--verbose",)], ids=["default", "quiet", "verbose"])
+def test_eval_takes_quiet_and_verbose_like_a_run(eval_source, monkeypatch, flags):
+    """Outside a terminal: note lines by default, nothing with -q, lm-eval's bars and log lines with -v;
+    the results print in every case."""
+    from click.testing import CliRunner
+
+    import sinv_prune.progress
+    from sinv_prune.cli import main
+
+    monkeypatch.setattr(sinv_prune.progress, "NOTE_EVERY_S", 0.0)  # a note at every update
+    monkeypatch.setenv("SINV_PRUNE_WIKITEXT", str(eval_source / "wikitext"))
+    args = ["eval", str(eval_source / "model"), "--tasks", str(eval_source / "mc"), "--perplexity", "--batch-size", "4"]
+    result = CliRunner().invoke(main, [*args, *flags])
+    assert result.exit_code == 0, result.output
+    console = result.output
+    assert "tiny_mc" in console and "WikiText-2 test perplexity: " in console  # the results
+    notes = [line for line in console.splitlines() if ", ETA " in line]
+    if not flags:
+        assert not any(mark in console for mark in BAR_MARKS), console
+        assert any(line.startswith("perplexity: ") for line in notes), console
+        assert any(line.startswith("Running loglikelihood requests: ") for line in notes), console
+        assert "Building contexts" not in console
+    elif flags == ("-q",):
+        assert not notes and not any(mark in console for mark in BAR_MARKS), console
+    else:
+        assert "Running loglikelihood requests:" in console and "it/s" in console  # lm-eval's bars
+        assert "Building contexts for tiny_mc" in console  # and its INFO lines
