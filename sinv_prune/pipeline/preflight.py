@@ -3,7 +3,8 @@
 A recipe that cannot run fails here with a :class:`~sinv_prune.pipeline.recipe.RecipeError` naming
 the key: missing files, unknown criteria, unsupported architectures, arms that may empty layers
 (``min_heads_per_layer: 0``) without ``prune.allow_empty_layers: true``, and arm parts whose amount
-the model's heads (GQA groups, the arm's layout), MLP channels or layers cannot meet.
+the model's heads (GQA groups, the arm's layout), MLP channels or layers cannot meet, and what the
+GGUF export at the end of the run would refuse (type, llama.cpp architecture, the tokenizer's vocabulary).
 """
 
 from __future__ import annotations
@@ -42,23 +43,44 @@ def check_compensation(recipe: Recipe, adapter: HeadAdapter) -> None:
 
 
 def check_export(recipe: Recipe, adapter: HeadAdapter) -> None:
-    """``export.gguf``: a model family llama.cpp runs, and llama-cpp-python where the check is asked for."""
+    """``export.gguf``: what the export would refuse at the end of the run (type, quantiser, llama.cpp
+    architecture, vocabulary), asked of the starting model's shapes and the run's tokenizer before any stage,
+    as ``sinv-prune shrink --gguf`` asks it before its search (:func:`sinv_prune.deploy.check_gguf_export`)."""
     spec = recipe.export.gguf if recipe.export else None
     if spec is None:
         return
-    from sinv_prune.deploy.gguf_layout import check_exportable
-    from sinv_prune.deploy.gguf_quantize import require_quantizer
+    from sinv_prune.deploy import check_gguf_export
 
     if spec.vocab and recipe.data.tokenizer.kind != "model":
         raise RecipeError(
             f"export.gguf: a tokenizer trained by the run (data.tokenizer.kind: {recipe.data.tokenizer.kind}) is not "
             "one llama.cpp can reproduce; set export.gguf.vocab: false for token-id-only files"
         )
+    tokenizer, source = _export_vocabulary(recipe) if spec.vocab else (None, None)
     try:
-        check_exportable(adapter.model, verify=spec.verify)
-        require_quantizer(spec.type)
+        check_gguf_export(adapter.model, tokenizer, type=spec.type, verify=spec.verify, tokenizer_gguf=source,
+                          vocab=spec.vocab)  # fmt: skip
     except (ValueError, ImportError) as err:
         raise RecipeError(f"export.gguf: {first_line(err)}") from None
+
+
+def _export_vocabulary(recipe: Recipe) -> tuple[object | None, Path | None]:
+    """``(tokenizer, source GGUF)`` as the export stage passes them: the tokenizer keys are copied from
+    ``model.gguf_file`` when the model comes from one, else built from the model's own tokenizer."""
+    from sinv_prune.pipeline.data import load_model_tokenizer
+
+    spec = recipe.model
+    path = recipe.resolve(spec.path)
+    if spec.gguf_file:
+        source = Path(path) / spec.gguf_file
+        if not source.is_file():
+            raise RecipeError(f"export.gguf: the tokenizer is copied from model.gguf_file, and {source} is not a "
+                              "local file; set export.gguf.vocab: false for token-id-only files")  # fmt: skip
+        return None, source
+    try:
+        return load_model_tokenizer(path), None
+    except (OSError, ValueError) as err:
+        raise RecipeError(f"export.gguf: cannot load the model's tokenizer from {path} ({first_line(err)})") from None
 
 
 def check_symmetry_breaking(recipe: Recipe, adapter: HeadAdapter) -> None:
