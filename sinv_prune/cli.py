@@ -142,7 +142,7 @@ def main() -> None:
     sinv-prune eval MODEL --tasks ..         zero-shot tasks through lm-evaluation-harness
     sinv-prune export SOURCE OUT.gguf        write a GGUF file for llama.cpp
     sinv-prune info MODEL                    what was removed from a pruned model and how it reloads
-    sinv-prune push MODEL --repo-id ..       check that it reloads, then push it with a model card
+    sinv-prune push MODEL --repo-id ..       check that it reloads, then push it (and its GGUF) with a card
     sinv-prune align MODEL -o DIR            symmetry-breaking analysis: tokens aligned with E[b_Q] per head
     """
 
@@ -633,7 +633,9 @@ def push(source: Path, repo_id: str, private: bool, revision, overwrite: bool, c
       RUN_DIR/ARM_NAME        an arm of a recipe run, by the name in its results
       RUN_DIR/arms/DIR        an arm directory (its fine-tuned model if any, else the pruned one)
       MODEL_DIR               any checkpoint directory, e.g. RUN_DIR/arms/DIR/pruned
-    The card uses the run's results.json and recipe.yaml when SOURCE is part of a run.
+    The card uses the run's results.json and recipe.yaml when SOURCE is part of a run. GGUF files
+    go too: those inside the checkpoint (shrink --gguf), and the one the run's export.gguf wrote of
+    this model (RUN_DIR/arms/DIR/model.gguf); the card names each with its type and the llama.cpp commands.
     The token comes from HF_TOKEN or `hf auth login`, never from a recipe; HF_ENDPOINT picks the server.
     """
     import logging

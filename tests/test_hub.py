@@ -276,7 +276,8 @@ def test_the_card_says_what_was_removed_how_and_with_what_effect(pushed, run_dir
     assert "`test` split" in body and "synthetic corpus" in body and "strided-window" in body
     assert "4,321 scored tokens" in body and "stride 32" in body
     assert (run_dir.root / "recipe.yaml").read_text().strip() in body
-    assert "trust_remote_code=True" in body and "pip install sinv_prune" in body
+    assert "trust_remote_code=True" in body and "`pip install .` in a clone" in body
+    assert "pip install sinv_prune" not in body  # no such package on PyPI
     assert 'AutoTokenizer.from_pretrained("tester/gpt2-pruned")' in body
     assert f"sinv_prune {sinv_prune.__version__}" in body
 

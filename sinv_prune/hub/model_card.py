@@ -18,7 +18,7 @@ import yaml
 from huggingface_hub import ModelCardData
 from transformers.models.auto import modeling_auto
 
-from sinv_prune.pipeline.report import gguf_cell, speed_cell
+from sinv_prune.pipeline.report import file_size, gguf_cell, speed_cell
 from sinv_prune.pipeline.report_tasks import pins_text, task_cell, task_header, task_names, task_pins
 from sinv_prune.surgery.checkpoint import _AUTO_MAPPINGS, PREFIX
 from sinv_prune.surgery.record import get_record
@@ -76,13 +76,16 @@ def model_card(
     params: int | None = None,
     params_before: int | None = None,
     has_tokenizer: bool = False,
+    gguf: list | None = None,
 ) -> str:
     """``README.md`` text for the checkpoint whose config is ``config``, pushed to ``repo_id``.
 
     ``results`` is a run's ``results.json`` content and ``arm`` the arm's name in it;
     ``stage`` is ``"pruned"`` or ``"finetuned"`` (which of the arm's models this is;
     default: fine-tuned when the arm was). ``recipe_text`` is the resolved recipe YAML.
-    ``params`` / ``params_before`` are used where ``results`` has no counts.
+    ``params`` / ``params_before`` are used where ``results`` has no counts. ``gguf``: the GGUF
+    files pushed with the checkpoint (``GGUFFile`` items of :func:`sinv_prune.hub.gguf_files.gguf_files`), each named
+    with its type and the commands that run it in a "Use with llama.cpp" section.
     """
     record = get_record(config)
     recipe = _parse_yaml(recipe_text)
@@ -109,8 +112,9 @@ def model_card(
     lines += _summary(config, record, base_class, base_id, recipe, row, stage, params, params_before)
     if record is not None:
         lines += _removed_table(record)
-    lines += _evaluation(results, row, stage, recipe, baseline, after)
+    lines += _evaluation(results, row, stage, recipe, baseline, after, pushed_gguf=bool(gguf))
     lines += _how_to_load(repo_id, record, auto, has_tokenizer)
+    lines += _llama_cpp(repo_id, gguf or [])
     if recipe_text:
         fence = "`" * max(3, _longest_backtick_run(recipe_text) + 1)
         lines += ["## Recipe", "", "The resolved recipe of the run (`sinv-prune RECIPE.yaml` reproduces it):", "",
@@ -185,7 +189,7 @@ def _removed_table(record) -> list[str]:
     return lines + [""]
 
 
-def _evaluation(results, row, stage, recipe, baseline, after) -> list[str]:
+def _evaluation(results, row, stage, recipe, baseline, after, pushed_gguf: bool = False) -> list[str]:
     lines = ["## Evaluation", ""]
     if not row or not baseline:
         note = "the run's results do not include this arm" if results else "no run results were attached"
@@ -210,8 +214,10 @@ def _evaluation(results, row, stage, recipe, baseline, after) -> list[str]:
         lines.append(f"| {label} | {_num(ev.get('params'))} | {_num(ev.get('perplexity'), 3)} |{cells}")
     lines += ["", _data_sentence(recipe, run, after.get("eval") or baseline.get("eval") or {}, mlm), ""]
     if gguf:
-        lines += ["GGUF (llama.cpp): type and size of the file the run's `export.gguf` wrote of each model "
-                  "(in the run directory; not part of this repository).", ""]  # fmt: skip
+        where = ("this checkpoint's file is in this repository, see *Use with llama.cpp*; the others are in the "
+                 "run directory" if pushed_gguf else "in the run directory; not part of this repository")  # fmt: skip
+        lines += [f"GGUF (llama.cpp): type and size of the file the run's `export.gguf` wrote of each model "
+                  f"({where}).", ""]  # fmt: skip
     pins = task_pins(results) if names else None
     if pins:
         lines += ["Zero-shot tasks through lm-evaluation-harness (acc_norm where a task reports it, else acc, "
@@ -273,11 +279,9 @@ def _how_to_load(repo_id: str, record, auto: str, has_tokenizer: bool) -> list[s
         "",
         "The layers keep different numbers of heads (or the architecture has no config field for a pruned head "
         "count), so the checkpoint ships `modeling_sinv_prune.py`, a three-line shim that rebuilds the pruned "
-        "shapes from the record in `config.json` through the installed `sinv_prune` package:",
-        "",
-        "```bash",
-        "pip install sinv_prune",
-        "```",
+        "shapes from the record in `config.json` through the installed `sinv_prune` package (not on PyPI: "
+        "install it from its repository, `pip install .` in a clone, or pip's `sinv_prune @ git+URL` form with "
+        "the repository's git URL).",
         "",
         "```python",
         imports,
@@ -294,6 +298,26 @@ def _how_to_load(repo_id: str, record, auto: str, has_tokenizer: bool) -> list[s
         f"The class is `{PREFIX}{record.base_class}`, a subclass of transformers' `{record.base_class}`.",
         "",
     ]
+
+
+def _llama_cpp(repo_id: str, files: list) -> list[str]:
+    """How to run the pushed GGUF file(s) in llama.cpp: each file's type, size and architecture, then the commands."""
+    if not files:
+        return []
+    lines = ["## Use with llama.cpp", "",
+             "This repository also holds the checkpoint as a GGUF file, the format llama.cpp (and the tools built "
+             "on it) runs:", ""]  # fmt: skip
+    for f in files:
+        vocab = "" if f.vocab else "; no vocabulary: token ids in, logits out, so it cannot tokenize text or chat"
+        lines.append(f"- `{f.name}`: type `{f.type}`, {file_size(f.size_bytes)}, llama.cpp architecture "
+                     f"`{f.arch}`{vocab}")  # fmt: skip
+    first = files[0]
+    run = [f"hf download {repo_id} {first.name} --local-dir ."]
+    if first.vocab:  # a vocabulary-free file takes token ids through the API only
+        run += [f"llama-cli -m {first.name}      # run it in the terminal",
+                f"llama-server -m {first.name}   # an OpenAI-compatible server on http://localhost:8080"]  # fmt: skip
+    lines += ["", "```bash", *run, "```", ""]
+    return lines
 
 
 def _provenance(record, results, arm) -> list[str]:

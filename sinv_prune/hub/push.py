@@ -10,7 +10,8 @@
    stock class, or ``AutoModel*`` with ``trust_remote_code=True``) and its outputs on fixed
    input ids are compared with the model in memory (or loaded here from the same directory);
    a mismatch stops the push before anything is uploaded;
-4. one commit uploads the checkpoint directory plus a generated ``README.md`` (model card);
+4. one commit uploads the checkpoint directory, the GGUF file a run's ``export.gguf`` wrote of this
+   model (beside it: :mod:`sinv_prune.hub.gguf_files`) and a generated ``README.md`` (model card);
    with ``overwrite=True`` files the repo has and the checkpoint lacks are deleted in the same
    commit, so stale weights cannot shadow the new ones.
 
@@ -165,6 +166,8 @@ def push_pruned(
     """
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
+    from sinv_prune.hub.gguf_files import gguf_files
+
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise PushError(f"{model_dir}: not a checkpoint directory (no config.json)")
@@ -180,6 +183,11 @@ def push_pruned(
         raise PushError(f"{repo_id} exists and is public; --private only applies to new repos (change it on the Hub)")
 
     files = checkpoint_files(model_dir)
+    try:
+        ggufs = gguf_files(model_dir, results, arm)
+    except (OSError, ValueError) as err:
+        raise PushError(_scrub(f"cannot read a GGUF file of {model_dir}: {_one_line(err)}", token)) from None
+    beside = {g.name: g.path for g in ggufs if g.name not in files}  # the run's export, outside model_dir
     stage = stage or (model_dir.name if model_dir.name in ("pruned", "finetuned") else None)
     logger.info("checking that %s reloads in a fresh process", model_dir)
     try:
@@ -192,8 +200,9 @@ def push_pruned(
     logger.info("reload check passed (%s, max |diff| %.2e)", check["route"], check["max_abs_diff"])
     try:
         card = build_card(
-            model_dir, repo_id, results=results, arm=arm, stage=stage, recipe_text=recipe_text, check=check
-        )
+            model_dir, repo_id, results=results, arm=arm, stage=stage, recipe_text=recipe_text, check=check,
+            gguf=ggufs,
+        )  # fmt: skip
     except Exception as err:
         raise PushError(_scrub(f"could not write the model card: {_one_line(err)}", token)) from None
     card = _scrub(card, token)
@@ -202,14 +211,17 @@ def push_pruned(
         created = existing is None and _create_repo(api, repo_id, private=private, overwrite=overwrite)
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        ops: list[Any] = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(model_dir / rel)) for rel in files]
+        local = {rel: model_dir / rel for rel in files} | beside
+        ops: list[Any] = [
+            CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path)) for rel, path in local.items()
+        ]
         ops.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode("utf-8")))
         deleted = []
         if not created:  # the repo existed, at the check or since (overwrite=True): drop files we don't push
-            keep = set(files) | {CARD} | KEEP_REMOTE
+            keep = set(local) | {CARD} | KEEP_REMOTE
             deleted = sorted(p for p in api.list_repo_files(repo_id, revision=revision) if p not in keep)
             ops += [CommitOperationDelete(path_in_repo=p) for p in deleted]
-        logger.info("uploading %d files to %s%s", len(files) + 1, repo_id, f" ({revision})" if revision else "")
+        logger.info("uploading %d files to %s%s", len(local) + 1, repo_id, f" ({revision})" if revision else "")
         info = api.create_commit(
             repo_id,
             ops,
@@ -222,7 +234,7 @@ def push_pruned(
         url=url,
         revision=revision or "main",
         commit_url=str(info.commit_url),
-        files=sorted([*files, CARD]),
+        files=sorted([*local, CARD]),
         deleted=deleted,
         created=created,
         reload_max_abs_diff=check["max_abs_diff"],
@@ -308,10 +320,13 @@ def build_card(
     stage: str | None = None,
     recipe_text: str | None = None,
     check: dict | None = None,
+    gguf: list | None = None,
 ) -> str:
-    """The model card for ``model_dir``; ``check`` (from ``check_reload``) supplies parameter counts."""
+    """The model card for ``model_dir``; ``check`` (from ``check_reload``) supplies parameter counts, ``gguf``
+    the GGUF files pushed with it (default: :func:`~sinv_prune.hub.gguf_files.gguf_files` of ``model_dir``)."""
     from transformers import AutoConfig
 
+    from sinv_prune.hub.gguf_files import gguf_files
     from sinv_prune.hub.model_card import model_card
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -326,6 +341,7 @@ def build_card(
         params=(check or {}).get("params"),
         params_before=(check or {}).get("params_before"),
         has_tokenizer=has_tokenizer,
+        gguf=gguf_files(model_dir, results, arm) if gguf is None else gguf,
     )
 
 
