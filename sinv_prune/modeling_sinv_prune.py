@@ -2,7 +2,7 @@
 
 Kept thin on purpose: ``AutoModel*.from_pretrained(..., trust_remote_code=True)``
 imports this file from the checkpoint, and it defers to the installed
-``sinv_prune`` package (``pip install sinv_prune``), the one source of truth.
+``sinv_prune`` package (installed from a clone: ``pip install .``; see README), the one source of truth.
 Classes are named ``SinvPruned<TransformersClass>``.
 """
 
