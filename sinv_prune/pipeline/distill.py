@@ -112,8 +112,9 @@ class DistillMixin:
         if self.hidden_weight:
             from sinv_prune.pipeline.distill_hidden import BlockOutputs, layer_pairs
 
-            pairs = layer_pairs(self.model, self.teacher, hidden_layers)
-            self._hidden = (pairs, BlockOutputs(self.model, [s for s, _ in pairs]),
+            student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # LoRA
+            pairs = layer_pairs(student, self.teacher, hidden_layers)
+            self._hidden = (pairs, BlockOutputs(student, [s for s, _ in pairs]),
                             BlockOutputs(self.teacher, [t for _, t in pairs]))  # fmt: skip
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
