@@ -11,7 +11,8 @@ random ids), the student a copy of the teacher:
   over the cached top-k rows, float16 and float32;
 * ``top-k renormalised`` (the form used before): the teacher renormalised over its top-k, the rest left out;
 * ``LM loss``: the cross-entropy on the same tokens (the ``1 - alpha`` term);
-* ``... bf16``: the student's forward under bfloat16 autocast (``finetune.bf16``), the teacher's in float32.
+* ``... bf16`` (``--bf16``): the student's forward under bfloat16 autocast (``finetune.bf16``), the teacher's in
+  float32.
 
 Each row: the loss at the teacher, the gradient's norm over all weights, and its cosine with the LM loss's
 gradient (does the term pull the same way as the data?).
@@ -50,6 +51,7 @@ def parse(argv):
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--k", type=int, default=64, help="cache_top_k")
     ap.add_argument("--temperature", type=float, default=2.0)
+    ap.add_argument("--bf16", action="store_true", help="also each term with the student under bfloat16 autocast")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path)
     return ap.parse_args(argv)
@@ -128,13 +130,14 @@ def run(argv=None) -> int:
             "top-k renormalised (before), float16": lambda z: renormalised_topk_kl(z, *rows16, labels, temperature=T),
         }  # fmt: skip
         results, lm_grad = [], None
-        for bf16 in (False, True):
+        for bf16 in (False, True) if args.bf16 else (False,):
             for label, fn in terms.items():
                 loss, grad = gradient(student, fn, ids, bf16)
                 lm_grad = grad if lm_grad is None else lm_grad
                 cos = F.cosine_similarity(grad, lm_grad, dim=0).item()
                 results.append({"term": label + (", bf16" if bf16 else ""), "loss": loss,
                                 "grad_norm": grad.norm().item(), "cos_lm": cos})  # fmt: skip
+                print(f"  {results[-1]}", flush=True)
         mass = rows16[0].float().exp().sum(-1)
     print(f"model: {name}; {ids.numel():,} tokens ({len(ids)} x {args.seq_len}); T {T:g}, top-{k}; student = teacher")
     print(f"teacher's top-{k} mass at T {T:g}: mean {mass.mean():.4f}, min {mass.min():.4f}")
