@@ -134,7 +134,7 @@ def run(argv=None) -> int:
             for label, fn in terms.items():
                 loss, grad = gradient(student, fn, ids, bf16)
                 lm_grad = grad if lm_grad is None else lm_grad
-                cos = F.cosine_similarity(grad, lm_grad, dim=0).item()
+                cos = F.cosine_similarity(grad.double(), lm_grad.double(), dim=0).item()  # float32 sums drift here
                 results.append({"term": label + (", bf16" if bf16 else ""), "loss": loss,
                                 "grad_norm": grad.norm().item(), "cos_lm": cos})  # fmt: skip
                 print(f"  {results[-1]}", flush=True)
