@@ -227,8 +227,9 @@ def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str
     for name in ("train", "finetune"):
         spec = getattr(recipe, name)
         if spec is not None:  # with the optimizer's defaults filled in
+            warmup = f", warmup_ratio {spec.warmup_ratio:g}" if spec.warmup_ratio else ""
             click.echo(f"  {name}: {spec.optimizer}, learning_rate {spec.learning_rate:g}, lr_scheduler "
-                       f"{spec.lr_scheduler}, optimizer_args {spec.optimizer_args}")  # fmt: skip
+                       f"{spec.lr_scheduler}{warmup}, optimizer_args {spec.optimizer_args}")  # fmt: skip
     for arm in recipe.prune.arms:
         what = "; ".join(f"{p.criterion} {p.unit}, amount {p.amount}, {p.mode}" for p in arm.part_specs)
         if arm.control:

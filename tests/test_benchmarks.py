@@ -542,3 +542,41 @@ def test_bench_distill_cache_quick(tmp_path, capsys, bf16):
     assert "ratio cache / live:" in out and ("ratio cache bf16 / cache float32:" in out) == bf16
     assert len(result["live_tokens_per_s"]) == len(result["cache_tokens_per_s"]) == 1 and result["ratio"] > 0
     assert len(result["bf16_tokens_per_s"]) == int(bf16) and (result["bf16_ratio"] is not None) == bf16
+
+
+def test_check_distill_loss_quick(tmp_path, capsys):
+    argv = ["--quick", "--json", str(tmp_path / "l.json")]
+    result, out = _run("check_distill_loss", argv, capsys)
+    _header(out, "check_distill_loss", argv)
+    rows = {r["term"]: r for r in result["rows"]}
+    assert rows["KL, live teacher"]["loss"] == pytest.approx(0, abs=1e-6)
+    assert rows["top-k + rest, float32 cache"]["grad_norm"] < 1e-6  # minimised at the teacher
+    assert rows["top-k renormalised (before), float16"]["grad_norm"] > 1e-2  # the old form is not
+    assert rows["LM loss (cross-entropy)"]["cos_lm"] == pytest.approx(1.0, abs=1e-9)
+
+
+def test_bench_finetune_quick(tmp_path, capsys):
+    argv = [
+        "--quick",
+        "--threads",
+        "1",
+        "--rows",
+        "kd",
+        "old",
+        "freeze",
+        "hidden=1",
+        "--json",
+        str(tmp_path / "f.json"),
+    ]
+    result, out = _run("bench_finetune", argv, capsys)
+    _header(out, "bench_finetune", argv)
+    rows = {r["row"]: r for r in result["rows"]}
+    assert list(rows) == ["kd", "old", "freeze", "hidden=1"]
+    assert rows["old"]["settings"]["spec"]["lr_scheduler"] == "constant"
+    # freezing what was not cut leaves the control (nothing cut) as it was: its perplexity is the unpruned one
+    assert rows["freeze"]["control"]["trainable"] == 0
+    assert rows["freeze"]["control"]["ppl"] == pytest.approx(result["before"]["control"], rel=1e-6)
+    assert rows["freeze"]["pruned"]["trainable"] > 0 and all(
+        r["pruned"]["steps"] == 4 for r in result["rows"] if r["row"] != "freeze"
+    )
+    assert "| kd " in out and "pruned / control" in out

@@ -300,7 +300,7 @@ def test_run_trainer_needs_a_teacher_with_distill_and_only_then(tmp_path):
 
 def test_recipe_accepts_distill_under_finetune_with_defaults():
     distill = validate_recipe({**BASE, "finetune": {"distill": {}}}).finetune.distill
-    assert (distill.teacher, distill.temperature, distill.alpha) == ("base", 2.0, 0.5)
+    assert (distill.teacher, distill.temperature, distill.alpha, distill.hidden_weight) == ("base", 2.0, 1.0, 0.0)
     assert validate_recipe({**BASE, "finetune": {}}).finetune.distill is None
 
 

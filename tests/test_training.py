@@ -14,7 +14,13 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from sinv_prune.cli import main
 from sinv_prune.pipeline.data import lm_blocks
-from sinv_prune.pipeline.recipe import RecipeError, load_recipe, recipe_to_yaml, validate_recipe
+from sinv_prune.pipeline.recipe import (
+    FINETUNE_RECIPE_DEFAULTS,
+    RecipeError,
+    load_recipe,
+    recipe_to_yaml,
+    validate_recipe,
+)
 from sinv_prune.pipeline.training import run_trainer
 from sinv_prune.symmetry import ECD, build_optimizer, get_symmetry_breaking
 
@@ -83,8 +89,12 @@ def train_recipe(**train):
 )
 def test_recipe_resolves_each_optimizers_defaults(optimizer, lr, schedule, args):
     recipe = train_recipe(optimizer=optimizer, max_steps=2)
-    for spec in (recipe.train, recipe.finetune):
-        assert (spec.learning_rate, spec.lr_scheduler, spec.optimizer_args) == (lr, schedule, args)
+    assert (recipe.train.learning_rate, recipe.train.lr_scheduler, recipe.train.optimizer_args) == (lr, schedule, args)
+    # finetune: the same, but a pretrained model's fine-tune warms up (and AdamW's rate is the fine-tune's own)
+    own = FINETUNE_RECIPE_DEFAULTS[optimizer]
+    spec = recipe.finetune
+    assert (spec.learning_rate, spec.lr_scheduler, spec.optimizer_args) == (own["learning_rate"], schedule, args)
+    assert spec.warmup_ratio == own.get("warmup_ratio", 0.0) and recipe.train.warmup_ratio == 0.0
     resolved = yaml.safe_load(recipe_to_yaml(recipe))["train"]
     assert (resolved["learning_rate"], resolved["lr_scheduler"]) == (lr, schedule)
     assert resolved.get("optimizer_args", {}) == args

@@ -20,10 +20,15 @@ to the trainer's device and the student's dtype. Evaluation batches keep the pla
 With a ``cache`` (:class:`sinv_prune.pipeline.distill_cache.TeacherCache`, ``distill.cache_top_k``) there is
 no teacher at training time: each batch carries its blocks' ``index``, the cached top-k rows are looked
 up by it and the KL is :func:`~sinv_prune.pipeline.distill_cache.topk_kl` over the teacher's top-k support.
+
+``hidden_weight > 0`` (live teacher only) adds ``hidden_weight * L_hidden``, the relative squared error between
+the student's block outputs and those of the teacher blocks they descend from
+(:mod:`sinv_prune.pipeline.distill_hidden`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -80,6 +85,8 @@ class DistillMixin:
         alpha: float = 0.5,
         causal: bool,
         cache=None,
+        hidden_weight: float = 0.0,
+        hidden_layers: list[int] | None = None,
         **kw,
     ):
         if not temperature > 0:
@@ -90,12 +97,25 @@ class DistillMixin:
             raise ValueError("distillation needs a teacher model or a teacher cache (one of the two)")
         if cache is not None and not causal:
             raise ValueError("a teacher cache is for causal LMs (a masked LM's teacher sees a new masking each step)")
+        if hidden_weight < 0:
+            raise ValueError(f"distillation hidden_weight must be >= 0, got {hidden_weight}")
+        if hidden_weight and teacher is None:
+            raise ValueError("distill.hidden_weight needs the live teacher (its hidden states are not cached)")
         self.teacher = teacher.eval().requires_grad_(False) if teacher is not None else None
         self.cache = cache
         self.temperature, self.alpha, self.causal = float(temperature), float(alpha), causal
+        self.hidden_weight = float(hidden_weight)
         self._teacher_placed: tuple | None = None
         self._distill_logged: list[torch.Tensor] = []
         super().__init__(*args, **kw)
+        self._hidden = None
+        if self.hidden_weight:
+            from sinv_prune.pipeline.distill_hidden import BlockOutputs, layer_pairs
+
+            student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # LoRA
+            pairs = layer_pairs(student, self.teacher, hidden_layers)
+            self._hidden = (pairs, BlockOutputs(student, [s for s, _ in pairs]),
+                            BlockOutputs(self.teacher, [t for _, t in pairs]))  # fmt: skip
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
@@ -109,7 +129,8 @@ class DistillMixin:
         if self.cache is not None and index is None:
             raise ValueError("distillation from a teacher cache needs the blocks' 'index' in the batch")
         # No num_items_in_batch: the LM loss is this micro-batch's mean, like the KL term.
-        lm_loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
+        with self._hidden[1] if self._hidden else contextlib.nullcontext():
+            lm_loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
         student_logits = outputs["logits"]
         if self.cache is not None:
             from sinv_prune.pipeline.distill_cache import topk_kl
@@ -122,14 +143,24 @@ class DistillMixin:
                 student_logits, teacher_logits, labels, temperature=self.temperature, causal=self.causal
             )
         loss = self.alpha * self.temperature**2 * kl + (1 - self.alpha) * lm_loss
-        self._distill_logged.append(torch.stack([kl.detach(), lm_loss.detach().mean().float()]))
+        logged = [kl.detach(), lm_loss.detach().mean().float()]
+        if self._hidden:
+            from sinv_prune.pipeline.distill_hidden import hidden_loss
+
+            pairs, student_out, teacher_out = self._hidden
+            keep = labels != -100
+            hidden = hidden_loss(student_out.take(), teacher_out.take(), pairs, keep)
+            loss = loss + self.hidden_weight * hidden
+            logged.append(hidden.detach())
+        self._distill_logged.append(torch.stack(logged))
         return (loss, outputs) if return_outputs else loss
 
     @torch.no_grad()
     def _teacher_logits(self, inputs: dict) -> torch.Tensor:
         self._place_teacher()
         self.teacher.eval()
-        return self.teacher(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+        with self._hidden[2] if self._hidden else contextlib.nullcontext():
+            return self.teacher(**{k: v for k, v in inputs.items() if k != "labels"}).logits
 
     def _place_teacher(self) -> None:
         """Move the teacher to this process's device and the student's dtype (once; again if they change)."""
@@ -146,8 +177,8 @@ class DistillMixin:
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add the mean KL and LM loss of the training batches since the last log (this process's)."""
         if "loss" in logs and self._distill_logged:
-            kl, lm = torch.stack(self._distill_logged).mean(dim=0).tolist()
-            logs = {**logs, "distill_kl": kl, "lm_loss": lm}
+            means = torch.stack(self._distill_logged).mean(dim=0).tolist()
+            logs = {**logs, **dict(zip(("distill_kl", "lm_loss", "hidden_loss"), means, strict=False))}
             self._distill_logged = []
         super().log(logs, *args, **kwargs)
 

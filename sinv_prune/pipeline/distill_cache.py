@@ -7,16 +7,23 @@ vocabulary, ``v_t,i = log_softmax(z_teacher / T)_i`` for ``i`` in ``S_t`` (float
 ``distill_cache/KEY/`` under the run directory, memory-mapped when read; ``6 * k`` bytes a token in
 float16 (64: 384 bytes; 2M tokens: 0.77 GB).
 
-The KL of an arm's step, over the teacher's top-k support::
+The KL of an arm's step is the KL between teacher and student over ``k + 1`` outcomes: the teacher's
+top-k tokens one by one, and the rest of the vocabulary as one::
 
-    p_t,i     = exp(v_t,i - logsumexp_{j in S_t} v_t,j)          teacher renormalised over its top-k
-    log q_t,i = log_softmax(z_student / T)_i,  i in S_t           student over the full vocabulary, gathered
-    KL_k      = mean over labelled t of  sum_{i in S_t} p_t,i * (log p_t,i - log q_t,i)
+    p_t,i     = exp(v_t,i),  i in S_t;   p_t,rest = 1 - sum_{i in S_t} p_t,i    teacher (full-vocabulary values)
+    log q_t,i = log_softmax(z_student / T)_i,  i in S_t;   q_t,rest = its mass outside S_t
+    KL_k      = mean over labelled t of  sum_{i in S_t} p_t,i (log p_t,i - log q_t,i)
+                                         + p_t,rest (log p_t,rest - log q_t,rest)
 
-``KL_k >= 0`` (the student's mass outside ``S_t`` only adds ``-log q_t(S_t) >= 0``) and with ``k`` equal
-to the vocabulary size it is exactly :func:`~sinv_prune.pipeline.distill.distillation_kl` (the test
-checks it to 1e-5 in float32; float16 values round at about 1e-3 relative). The loss is then the
-live one's, ``alpha * T**2 * KL_k + (1 - alpha) * LM loss``.
+``0 <= KL_k <= KL`` (merging outcomes never raises a KL), it is zero, with a zero gradient, where the
+student is the teacher, and with ``k`` equal to the vocabulary size it is exactly
+:func:`~sinv_prune.pipeline.distill.distillation_kl` (the test checks it to 1e-5 in float32; float16
+values round at about 1e-3 relative). The loss is then the live one's,
+``alpha * T**2 * KL_k + (1 - alpha) * LM loss``.
+
+An earlier form renormalised the teacher over its top-k and left the rest out: that KL is
+smallest where the student puts *all* its mass on the teacher's top-k, so it pulled even a student that
+was the teacher away from it (a self-distilled SmolLM2 lost perplexity: docs/benchmarks.md section 15).
 
 KEY is a hash of everything a row depends on: the teacher (its config and a strided sample of every
 weight), the blocks' token ids, ``seq_len``, ``k``, ``T``, the stored dtype and the teacher's compute dtype;
@@ -55,8 +62,8 @@ def topk_kl(
 ) -> torch.Tensor:
     """``KL_k`` of the module docstring: mean over labelled positions, float32, no ``T**2``.
 
-    ``values`` / ``ids``: ``[batch, seq_len, k]`` cached teacher log-probabilities and their token ids;
-    positions count as in :func:`~sinv_prune.pipeline.distill.distillation_kl`.
+    ``values`` / ``ids``: ``[batch, seq_len, k]`` cached teacher log-probabilities (over the full vocabulary)
+    and their token ids; positions count as in :func:`~sinv_prune.pipeline.distill.distillation_kl`.
     """
     if values.shape[:2] != student_logits.shape[:2]:
         raise ValueError(
@@ -65,10 +72,15 @@ def topk_kl(
     if causal:
         student_logits, values, ids, labels = student_logits[:, :-1], values[:, :-1], ids[:, :-1], labels[:, 1:]
     keep = labels != -100
-    log_q = F.log_softmax(student_logits[keep].float() / temperature, dim=-1).gather(-1, ids[keep].long())
+    support = ids[keep].long()
+    log_q_all = F.log_softmax(student_logits[keep].float() / temperature, dim=-1)
+    log_q = log_q_all.gather(-1, support)
     log_p = values[keep].float()
-    log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
     total = (log_p.exp() * (log_p - log_q)).sum()
+    if support.shape[-1] < log_q_all.shape[-1]:  # the rest of the vocabulary, as one outcome
+        p_rest = (1 - log_p.exp().sum(-1)).clamp(min=0)  # float16 rounding can take the sum past 1
+        log_q_rest = torch.logsumexp(log_q_all.scatter(-1, support, float("-inf")), dim=-1)
+        total = total + (torch.xlogy(p_rest, p_rest) - p_rest * log_q_rest).sum()
     return total / keep.sum().clamp(min=1)
 
 

@@ -264,6 +264,15 @@ OPTIMIZER_RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "ecd": {"learning_rate": 1.0, "lr_scheduler": "constant", "optimizer_args": {"eta": 100.0, "F0": 2.0, "nu": 0.0}},
     "soap": {"learning_rate": 3e-3, "lr_scheduler": "cosine"},
 }
+#: What ``finetune`` uses instead, where it differs: a pretrained (or pruned) model's fine-tune warms up over
+#: the first ``warmup_ratio`` of its steps and decays, at a rate that leaves an unpruned model distilled from
+#: itself where it was (AdamW's: the sweep in docs/benchmarks.md section 15). ECD keeps its constant lr.
+FINETUNE_RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "adamw": {"learning_rate": 5e-5, "lr_scheduler": "cosine", "warmup_ratio": 0.1},
+    "sgd": {**OPTIMIZER_RECIPE_DEFAULTS["sgd"], "warmup_ratio": 0.1},
+    "ecd": OPTIMIZER_RECIPE_DEFAULTS["ecd"],
+    "soap": {**OPTIMIZER_RECIPE_DEFAULTS["soap"], "warmup_ratio": 0.1},
+}
 
 
 class DistillSpec(Strict):
@@ -279,15 +288,31 @@ class DistillSpec(Strict):
     ``cache_top_k: k``: the teacher runs once over the fine-tune's blocks before any arm trains, and its
     ``k`` most likely tokens per position (log-probabilities at ``T``, stored as ``cache_dtype``, ids as
     int32) are kept on disk under the run directory; the arms' steps then run the student alone and the
-    KL is taken over the teacher's top-k support (:mod:`sinv_prune.pipeline.distill_cache`). The training
-    blocks are then read in order (no shuffling).
+    KL is taken over the teacher's top-k support and the rest of the vocabulary as one outcome
+    (:mod:`sinv_prune.pipeline.distill_cache`). The training blocks are then read in order (no shuffling).
+
+    ``hidden_weight: w`` (Minitron's intermediate-state loss; live teacher, no ``cache_top_k``) adds ``w`` times
+    the relative squared error between each student block's output and that of the teacher block it descends
+    from (the pruning record says which; ``hidden_layers``: only these original blocks), see
+    :mod:`sinv_prune.pipeline.distill_hidden`.
     """
 
     teacher: str = Field("base", min_length=1)
     temperature: float = Field(2.0, gt=0)
-    alpha: float = Field(0.5, ge=0, le=1)
+    alpha: float = Field(1.0, ge=0, le=1)
     cache_top_k: int | None = Field(None, gt=0)
     cache_dtype: Literal["float16", "float32"] = "float16"
+    hidden_weight: float = Field(0.0, ge=0)
+    hidden_layers: list[int] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _hidden_needs_the_teacher(self):
+        if self.hidden_weight and self.cache_top_k:
+            raise ValueError("hidden_weight needs the live teacher (its hidden states are not cached); "
+                             "drop cache_top_k")  # fmt: skip
+        if self.hidden_layers is not None and not self.hidden_weight:
+            raise ValueError("hidden_layers needs hidden_weight > 0")
+        return self
 
 
 class LoraSpec(Strict):
@@ -310,8 +335,10 @@ class TrainSpec(Strict):
     ``optimizer_args: {F0: ...}`` below the loss you expect to reach) or ``soap``; extra
     constructor arguments go in ``optimizer_args`` (an argument the optimizer does not take is an
     error; ``lr`` and ``weight_decay`` are ``learning_rate`` and ``weight_decay``). What the recipe
-    leaves out of ``learning_rate``, ``lr_scheduler`` and ``optimizer_args`` comes from
-    :data:`OPTIMIZER_RECIPE_DEFAULTS` for the optimizer, and the resolved recipe shows it.
+    leaves out of ``learning_rate``, ``lr_scheduler``, ``warmup_ratio`` (a fraction of the steps) and
+    ``optimizer_args`` comes from :data:`OPTIMIZER_RECIPE_DEFAULTS` for the optimizer (``finetune``:
+    :data:`FINETUNE_RECIPE_DEFAULTS`), and the resolved recipe shows it. ``max_grad_norm`` (omitted: 1.0, or 0,
+    no clipping, for ECD, whose update divides by the loss) clips the gradient's global norm.
     ``distill`` (:class:`DistillSpec`, ``finetune`` only) makes the loss a distillation loss; with
     ECD, ``F0`` must then sit below that combined loss. ``gradient_checkpointing`` recomputes
     activations in the backward pass (less memory, about a third more time). ``bf16``: mixed precision
@@ -324,6 +351,9 @@ class TrainSpec(Strict):
     distill_allowed: ClassVar[bool] = False
     #: Whether ``lora`` may be set: only the fine-tune starts from weights worth keeping frozen.
     lora_allowed: ClassVar[bool] = False
+    #: Per optimizer, what the stage uses for ``learning_rate``, ``lr_scheduler``, ``warmup_ratio`` and
+    #: ``optimizer_args`` the recipe leaves out.
+    recipe_defaults: ClassVar[dict[str, dict[str, Any]]] = OPTIMIZER_RECIPE_DEFAULTS
 
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, gt=0)
@@ -336,7 +366,7 @@ class TrainSpec(Strict):
     max_grad_norm: float | None = Field(None, ge=0)
     symmetry_breaking: SymmetrySpec | None = None
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"]
-    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    warmup_ratio: float = Field(ge=0, lt=1)
     eval_every: int | None = Field(None, gt=0)
     save_every: int = Field(200, gt=0)
     tracking: TrackingSpec | None = None
@@ -363,17 +393,25 @@ class TrainSpec(Strict):
     @classmethod
     def _optimizer_defaults(cls, data: Any) -> Any:
         optimizer = data.get("optimizer", "adamw") if isinstance(data, dict) else None
-        defaults = OPTIMIZER_RECIPE_DEFAULTS.get(optimizer) if isinstance(optimizer, str) else None
+        defaults = cls.recipe_defaults.get(optimizer) if isinstance(optimizer, str) else None
         if defaults is None:
             return data  # not a mapping, or an unknown optimizer: the field checks say so
         data = dict(data)
         for key in ("learning_rate", "lr_scheduler"):
             if data.get(key) is None:
                 data[key] = defaults[key]
+        if data.get("warmup_ratio") is None:  # a constant schedule has no warmup (constant_with_warmup has)
+            data["warmup_ratio"] = 0.0 if data["lr_scheduler"] == "constant" else defaults.get("warmup_ratio", 0.0)
         given = data.get("optimizer_args")
         if given is None or isinstance(given, dict):
             data["optimizer_args"] = {**defaults.get("optimizer_args", {}), **(given or {})}
         return data
+
+    @model_validator(mode="after")
+    def _warmup_needs_a_schedule(self):
+        if self.lr_scheduler == "constant" and self.warmup_ratio > 0:
+            raise ValueError("warmup_ratio: lr_scheduler constant has no warmup; use constant_with_warmup")
+        return self
 
     @field_validator("optimizer_args")
     @classmethod
@@ -408,6 +446,7 @@ class FinetuneSpec(TrainSpec):
 
     distill_allowed: ClassVar[bool] = True
     lora_allowed: ClassVar[bool] = True
+    recipe_defaults: ClassVar[dict[str, dict[str, Any]]] = FINETUNE_RECIPE_DEFAULTS
 
     tokens: int | None = Field(None, gt=0)
     data: FinetuneData | None = None
