@@ -356,3 +356,27 @@ def test_sinv_depth_reads_a_moe_layers_c_ff_as_its_experts_mean():
         c_ff = sum(experts) / len(experts) if experts else measures["C_FF"][layer]
         c_q = sum(measures["C_Q"][layer]) / len(measures["C_Q"][layer])
         assert scores[layer] == pytest.approx(-c_ff / c_q, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "drop"),
+    [
+        ("qwen3_moe", {}, [0]),  # mlp_only_layers=[1]: the dense layer moves to 0
+        ("qwen2_moe", {}, [0]),
+        ("qwen2_moe", {"mlp_only_layers": [], "decoder_sparse_step": 2}, [0]),  # the step would hit the dense one
+        ("qwen3_moe", {"mlp_only_layers": [], "decoder_sparse_step": 2}, [1]),  # no MoE layer left
+    ],
+)
+def test_dropping_layers_of_a_mixed_model_keeps_each_layers_kind_on_reload(family, overrides, drop, tmp_path):
+    model = tiny_moe(family, **overrides)
+    kinds = [bool(get_adapter(model).num_experts(i)) for i in range(LAYERS)]
+    sinv_prune.prune(model, {"layers": drop})
+    kept = [kind for i, kind in enumerate(kinds) if i not in drop]
+    expected = logits(model)
+    model.save_pretrained(tmp_path)
+    stock, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or re-initialised weights
+    for reloaded in (stock.eval(), sinv_prune.from_pretrained(tmp_path).eval()):
+        adapter = get_adapter(reloaded)
+        assert [bool(adapter.num_experts(i)) for i in range(adapter.num_layers)] == kept
+        torch.testing.assert_close(logits(reloaded), expected, atol=1e-5, rtol=0)
