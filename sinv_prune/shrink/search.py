@@ -306,30 +306,35 @@ def _check(model, adapter, params, to, units, budget, holdout, fitness_sequences
 
 def seed_genomes(space: Space, bypass: list[int], rng: random.Random) -> dict[str, Genome]:
     """The uniform single-unit cuts and their mixes with uniform fill (MLP channels, experts) making up the rest
-    (only those that exist), each named by the units it takes from (``mlp``, ``heads+mlp``, ``layers+experts``)."""
+    (only those that exist), each named by the units it takes from (``mlp``, ``heads+mlp``, ``layers+experts``).
+
+    Every seed is repaired as the search's genomes are (:meth:`Space.repair`: uniform fill first, then, unless
+    ``stock``, the steps past the target given back), so each removes the target to within one fill step;
+    a head option or a count of whole blocks that alone overshoots by more is no seed (its mix with fill,
+    one option or one block less, is)."""
     n = len(space.layers)
-    found: list[Genome] = []
     stock_space = Space(space.layers, space.target, True, space.units, space.min_layers)
-    found.append(stock_space.repair(space.empty(), rng))
+    uniform: list[Genome | None] = [stock_space.repair(space.empty(), rng)]
     if HEADS.name in space.units:
         options = space.layers[0].heads
         same = all(len(s.heads) == len(options) for s in space.layers)
         by_cost = sorted(range(1, len(options)), key=lambda j: options[j].removed) if same else []
         whole = [j for j in by_cost if sum(s.heads[j].removed for s in space.layers) >= space.target]
         if whole:
-            found.append(replace(space.empty(), heads=(whole[0],) * n))
+            uniform.append(replace(space.empty(), heads=(whole[0],) * n))
         under = [j for j in by_cost if j not in whole]
         if under:
-            found.append(stock_space.repair(replace(space.empty(), heads=(under[-1],) * n), rng))
+            uniform.append(stock_space.repair(replace(space.empty(), heads=(under[-1],) * n), rng))
     if LAYERS.name in space.units:
         block = space.layers[0].block
         need = -(-space.target // block)
         if need <= n - space.min_layers:
-            found.append(replace(space.empty(), dropped=tuple(sorted(bypass[:need]))))
+            uniform.append(replace(space.empty(), dropped=tuple(sorted(bypass[:need]))))
         if need - 1 > 0:
-            found.append(stock_space.repair(replace(space.empty(), dropped=tuple(sorted(bypass[: need - 1]))), rng))
+            uniform.append(stock_space.repair(replace(space.empty(), dropped=tuple(sorted(bypass[: need - 1]))), rng))
     out: dict[str, Genome] = {}
-    for g in found:
+    for g in uniform:
+        g = None if g is None else space.repair(g, rng)
         if g is not None:
             out.setdefault("+".join(u for u, v in space.shares(g).items() if v) or "none", g)
     return out
