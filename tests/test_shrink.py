@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import math
 
 import pytest
@@ -242,3 +243,28 @@ def test_reused_statistics_give_the_same_cut_on_a_fresh_copy():
     assert heldout_ppl(second, sequences()) == pytest.approx(rb.heldout_ppl[rb.chosen], rel=1e-4)
     with pytest.raises(ValueError, match="statistics of another model"):
         run(first, share=0.2, statistics=ra.statistics)  # first is pruned: its widths differ
+
+
+def test_a_refit_that_is_not_finite_is_plain_pruning_warned_once_and_recorded(monkeypatch, caplog):
+    statistics = importlib.import_module("sinv_prune.shrink.statistics")
+
+    def not_finite(fit, held, plain, ridge=None):
+        weight, bias = plain
+        return 0.1, (torch.full_like(weight, float("nan")), bias), None, None
+
+    monkeypatch.setattr(statistics, "guarded_refit", not_finite)
+    model, fresh = tiny_llama(), tiny_llama()
+    with caplog.at_level("WARNING", logger="sinv_prune"):
+        result = run(model, 0.3, units=("heads", "mlp"), budget=8)
+    cut = sorted((unit, int(layer)) for unit in ("heads", "mlp") for layer in result.plan.get(unit, {}))
+    assert cut and result.fallbacks == cut
+    warned = [r.getMessage() for r in caplog.records if "refit is not finite" in r.getMessage()]
+    named = [(m.split(" consumer")[0].split()[-1], int(m.split("layer ")[1].split()[0])) for m in warned]
+    assert len(named) == len(set(named)) and set(cut) <= set(named)  # once per consumer, every built one named
+    assert json.loads(json.dumps(result.to_dict()))["fallbacks"] == [list(c) for c in cut]
+    assert "plainly pruned instead: " + ", ".join(f"layer {layer} {unit}" for unit, layer in cut) in str(result)
+    # the built model is the plan pruned plainly (no refit anywhere), rebuilt here from scratch
+    plan = {u: ({int(k): v for k, v in e.items()} if isinstance(e, dict) else e) for u, e in result.plan.items()}
+    sinv_prune.prune(fresh, plan)
+    ids = sequences()[4][None]
+    torch.testing.assert_close(logits(model, ids), logits(fresh, ids))
