@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import math
 
 import pytest
@@ -73,15 +74,43 @@ def test_the_built_model_is_the_candidate_that_was_measured():
     assert result.params_before - result.params_after == result.removed
 
 
-def test_target_met_within_one_mlp_step():
-    model = tiny_llama()
-    target = math.ceil(0.3 * non_embedding_parameters(model))
-    result = run(model)
-    assert result.target == target
-    step = 8 * 3 * 48  # 8 channels x (gate, up rows + down column) of width 48
-    # a searched plan overshoots by less than one step; a uniform seed by less than one step in every layer
-    assert target <= result.removed < target + (step if result.chosen == "search" else 4 * step)
-    assert sum(result.shares.values()) == result.removed
+STEP = 8 * 3 * 48  # one MLP step: 8 channels x (gate, up rows + down column) of width 48
+BLOCK = 2 * 48 * 48 + 2 * 48 * 24 + 3 * 48 * 96 + 2 * 48  # q, o (48x48), k, v (48x24); gate, up, down; two norms
+HEAD_OPTION = 3 * 2 * 8 * 48  # per layer: 3 query heads (q rows + o columns) or 2 heads and one KV group
+
+
+def _one_seed_wins(monkeypatch, model, share, name, **kw):
+    """shrink with only the seed ``name`` (as the real seeds build it) and no search: that seed is built."""
+    search = importlib.import_module("sinv_prune.shrink.search")
+    real = search.seed_genomes
+    monkeypatch.setattr(search, "seed_genomes", lambda space, bypass, rng: {name: real(space, bypass, rng)[name]})
+    try:
+        return run(model, share, budget=1, **kw)
+    finally:
+        monkeypatch.setattr(search, "seed_genomes", real)
+
+
+def test_target_met_within_one_mlp_step_by_every_seed_kind(monkeypatch):
+    # each kind of seed forced to win (the only seed, no search) removes the target and less than one MLP step
+    # more (under stock, one step in every kept layer): whole blocks and head options alone included
+    reference = tiny_llama()
+    non_emb = non_embedding_parameters(reference)
+    assert sum(p.numel() for p in reference.model.layers[0].parameters()) == BLOCK
+    stats = run(copy.deepcopy(reference), budget=1).statistics
+    cases = [(0.3, False), ((BLOCK - 200) / non_emb, False), ((4 * HEAD_OPTION - 100) / non_emb, False), (0.4, True)]
+    kinds = set()
+    for share, stock in cases:
+        target = math.ceil(share * non_emb)
+        names = run(copy.deepcopy(reference), share, budget=1, stock=stock, statistics=stats).seeds
+        for name in names:
+            model = copy.deepcopy(reference)
+            result = _one_seed_wins(monkeypatch, model, share, name, stock=stock, statistics=stats)
+            assert list(result.seeds) == [name] and result.target == target
+            kept = 4 - len(result.plan.get("layers", []))
+            assert target <= result.removed < target + (STEP * kept if stock else STEP), (share, stock, name)
+            assert sum(p.numel() for p in model.parameters()) == result.params_before - result.removed
+            kinds.add(name)
+    assert {"mlp", "heads", "heads+mlp", "layers", "layers+mlp"} <= kinds
 
 
 def test_never_worse_than_its_seeds_and_deterministic():
@@ -214,3 +243,28 @@ def test_reused_statistics_give_the_same_cut_on_a_fresh_copy():
     assert heldout_ppl(second, sequences()) == pytest.approx(rb.heldout_ppl[rb.chosen], rel=1e-4)
     with pytest.raises(ValueError, match="statistics of another model"):
         run(first, share=0.2, statistics=ra.statistics)  # first is pruned: its widths differ
+
+
+def test_a_refit_that_is_not_finite_is_plain_pruning_warned_once_and_recorded(monkeypatch, caplog):
+    statistics = importlib.import_module("sinv_prune.shrink.statistics")
+
+    def not_finite(fit, held, plain, ridge=None):
+        weight, bias = plain
+        return 0.1, (torch.full_like(weight, float("nan")), bias), None, None
+
+    monkeypatch.setattr(statistics, "guarded_refit", not_finite)
+    model, fresh = tiny_llama(), tiny_llama()
+    with caplog.at_level("WARNING", logger="sinv_prune"):
+        result = run(model, 0.3, units=("heads", "mlp"), budget=8)
+    cut = sorted((unit, int(layer)) for unit in ("heads", "mlp") for layer in result.plan.get(unit, {}))
+    assert cut and result.fallbacks == cut
+    warned = [r.getMessage() for r in caplog.records if "refit is not finite" in r.getMessage()]
+    named = [(m.split(" consumer")[0].split()[-1], int(m.split("layer ")[1].split()[0])) for m in warned]
+    assert len(named) == len(set(named)) and set(cut) <= set(named)  # once per consumer, every built one named
+    assert json.loads(json.dumps(result.to_dict()))["fallbacks"] == [list(c) for c in cut]
+    assert "plainly pruned instead: " + ", ".join(f"layer {layer} {unit}" for unit, layer in cut) in str(result)
+    # the built model is the plan pruned plainly (no refit anywhere), rebuilt here from scratch
+    plan = {u: ({int(k): v for k, v in e.items()} if isinstance(e, dict) else e) for u, e in result.plan.items()}
+    sinv_prune.prune(fresh, plan)
+    ids = sequences()[4][None]
+    torch.testing.assert_close(logits(model, ids), logits(fresh, ids))

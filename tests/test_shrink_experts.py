@@ -26,15 +26,16 @@ def shrink(model, share=0.3, **kw):
     return sinv_prune.shrink(model, share, **kw)
 
 
-@pytest.mark.parametrize(("family", "fill"), [("qwen3_moe", "mlp+experts"), ("mixtral", "experts")])
-def test_experts_are_searched_and_the_built_model_is_what_was_measured(family, fill, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_experts_are_searched_and_the_built_model_is_what_was_measured(family, tmp_path):
     model = tiny_moe(family)
     counts = get_adapter(model).expert_counts()
     target = math.ceil(0.3 * non_embedding_parameters(model))
     result = shrink(model)
     assert result.settings["units"][-1] == "experts" and result.shares["experts"] > 0
-    assert fill in result.seeds  # the uniform fill-only seed: experts (and MLP channels in the dense layer)
-    assert result.fitness <= min(s["fitness"] for s in result.seeds.values()) + 1e-12
+    # the fill-only seed: experts (and MLP channels in the dense layer, unless the experts' steps past the
+    # target gave them back)
+    assert any(set(name.split("+")) <= {"mlp", "experts"} and "experts" in name for name in result.seeds)
     assert result.removed >= target and result.params_before - result.params_after == result.removed
     # the candidate masked the removed experts' router logits; the sliced model must compute the same
     assert heldout_ppl(model, sequences()) == pytest.approx(result.heldout_ppl[result.chosen], rel=1e-4)

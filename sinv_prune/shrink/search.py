@@ -86,6 +86,8 @@ class ShrinkResult:
     settings: dict = field(default_factory=dict)
     record_stock: bool | None = None
     built: str = "per-layer refit"
+    #: (unit, layer) of the built model's consumers whose refit was not finite: plainly pruned there instead
+    fallbacks: list[tuple[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,6 +121,9 @@ class ShrinkResult:
         text += f"; MLP {min(mlp)}-{max(mlp)}" if mlp else ""
         text += f"; experts {min(experts)}-{max(experts)}" if experts else ""
         lines.append(text if kept else "  widths: none")
+        if self.fallbacks:
+            lines.append("  refit not finite, plainly pruned instead: "
+                         + ", ".join(f"layer {layer} {unit}" for unit, layer in self.fallbacks))  # fmt: skip
         t = self.seconds
         lines.append("  time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()))
         return "\n".join(lines)
@@ -237,7 +242,9 @@ def shrink(
             if ppl[best_seed] < ppl["search"]:
                 chosen, genome, best_fit = best_seed, found[best_seed]["genome"], found[best_seed]["fitness"]
         plan, kept_widths = to_plan(genome, picks), widths(genome, space, adapter)
-        refits = {key: picks.refit(*key, removed) for key, removed in _cut_consumers(genome, picks).items()}
+        cuts = _cut_consumers(genome, picks)
+        refits = {key: picks.refit(*key, removed) for key, removed in cuts.items()}
+        fallbacks = sorted(key for key, removed in cuts.items() if picks.fell_back(*key, removed))
         cand.reset()
     built = "per-layer refit"
     summary = None
@@ -251,6 +258,7 @@ def shrink(
         if ppl["sequential"] < ppl[chosen]:
             _become(model, sequential)
             built = "sequential OBS refit"
+            fallbacks = []  # the per-layer refits are not used
         else:
             summary = None
         del sequential
@@ -270,7 +278,7 @@ def shrink(
         params_after=count_parameters(model), non_embedding=non_emb, shares=space.shares(genome),
         widths=kept_widths, fitness=best_fit, seeds=found, heldout_ppl=ppl, evaluations=used,
         budget=budget, stopped_by_time=timed_out, history=history, seconds={k: round(v, 2) for k, v in seconds.items()},
-        stock=stock, seed=seed, record_stock=record_stock, built=built,
+        stock=stock, seed=seed, record_stock=record_stock, built=built, fallbacks=fallbacks,
         settings={"units": list(units), "multiple": multiple, "min_mlp": min_mlp, "sequences": len(seqs),
                   "length": length, "holdout": holdout, "fitness_tokens": int(fit_batch.numel()),
                   "heldout_tokens": sum(s.numel() for s in held_seqs), "time_limit": time_limit},
@@ -306,30 +314,35 @@ def _check(model, adapter, params, to, units, budget, holdout, fitness_sequences
 
 def seed_genomes(space: Space, bypass: list[int], rng: random.Random) -> dict[str, Genome]:
     """The uniform single-unit cuts and their mixes with uniform fill (MLP channels, experts) making up the rest
-    (only those that exist), each named by the units it takes from (``mlp``, ``heads+mlp``, ``layers+experts``)."""
+    (only those that exist), each named by the units it takes from (``mlp``, ``heads+mlp``, ``layers+experts``).
+
+    Every seed is repaired as the search's genomes are (:meth:`Space.repair`: uniform fill first, then, unless
+    ``stock``, the steps past the target given back), so each removes the target to within one fill step;
+    a head option or a count of whole blocks that alone overshoots by more is no seed (its mix with fill,
+    one option or one block less, is)."""
     n = len(space.layers)
-    found: list[Genome] = []
     stock_space = Space(space.layers, space.target, True, space.units, space.min_layers)
-    found.append(stock_space.repair(space.empty(), rng))
+    uniform: list[Genome | None] = [stock_space.repair(space.empty(), rng)]
     if HEADS.name in space.units:
         options = space.layers[0].heads
         same = all(len(s.heads) == len(options) for s in space.layers)
         by_cost = sorted(range(1, len(options)), key=lambda j: options[j].removed) if same else []
         whole = [j for j in by_cost if sum(s.heads[j].removed for s in space.layers) >= space.target]
         if whole:
-            found.append(replace(space.empty(), heads=(whole[0],) * n))
+            uniform.append(replace(space.empty(), heads=(whole[0],) * n))
         under = [j for j in by_cost if j not in whole]
         if under:
-            found.append(stock_space.repair(replace(space.empty(), heads=(under[-1],) * n), rng))
+            uniform.append(stock_space.repair(replace(space.empty(), heads=(under[-1],) * n), rng))
     if LAYERS.name in space.units:
         block = space.layers[0].block
         need = -(-space.target // block)
         if need <= n - space.min_layers:
-            found.append(replace(space.empty(), dropped=tuple(sorted(bypass[:need]))))
+            uniform.append(replace(space.empty(), dropped=tuple(sorted(bypass[:need]))))
         if need - 1 > 0:
-            found.append(stock_space.repair(replace(space.empty(), dropped=tuple(sorted(bypass[: need - 1]))), rng))
+            uniform.append(stock_space.repair(replace(space.empty(), dropped=tuple(sorted(bypass[: need - 1]))), rng))
     out: dict[str, Genome] = {}
-    for g in found:
+    for g in uniform:
+        g = None if g is None else space.repair(g, rng)
         if g is not None:
             out.setdefault("+".join(u for u, v in space.shares(g).items() if v) or "none", g)
     return out

@@ -18,6 +18,7 @@ small solves and one forward.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -33,6 +34,8 @@ from sinv_prune.surgery.refit import consumer_weights
 from sinv_prune.units.heads import HEADS
 from sinv_prune.units.mlp import MLP
 
+logger = logging.getLogger(__name__)
+
 
 class Picks:
     """Which units each option removes (OBS on the unpruned statistics) and the refit kept weights, cached."""
@@ -42,6 +45,8 @@ class Picks:
         self.mlp_steps: dict[int, list[list[int]]] = {}
         self._heads: dict[tuple[int, int], list[int]] = {}
         self._refits: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        self._fell_back: set[tuple] = set()  # refits (unit, layer, removed) whose solve was not finite
+        self._warned: set[tuple[str, int]] = set()
         self._cap = cache
         n = self.adapter.num_layers
         # the unpruned weights, held now: candidates replace the live parameters (never in place)
@@ -119,8 +124,18 @@ class Picks:
         _, (w, b), _, _ = guarded_refit(fit, held if held.tokens else None, plain)
         if not torch.isfinite(w).all() or (b is not None and not torch.isfinite(b).all()):
             w, b = plain  # an ill-conditioned solve: plain pruning instead
+            self._fell_back.add(key)
+            if (unit, layer) not in self._warned:
+                self._warned.add((unit, layer))
+                logger.warning("shrink: layer %d %s consumer: the refit is not finite (an ill-conditioned solve); "
+                               "plain pruning there instead", layer, unit)  # fmt: skip
         value = (kept, w.to(weight.dtype), None if b is None else b.to(weight.dtype))
         self._refits[key] = value
         if len(self._refits) > self._cap:
             self._refits.popitem(last=False)
         return value
+
+    def fell_back(self, unit: str, layer: int, removed_units: Sequence[int]) -> bool:
+        """Whether the refit of ``layer``'s ``unit`` consumer without ``removed_units`` fell back to plain pruning
+        (its solve was not finite)."""
+        return (unit, layer, tuple(removed_units)) in self._fell_back
