@@ -494,6 +494,8 @@ def parse_size(text: str) -> int:
 @click.option("--budget", default=48, show_default=True, type=click.IntRange(1), help="Plans evaluated by the search.")
 @click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None, help="Stop searching after S s.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the search (same seed, same plan).")
+@click.option("--statistics-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float64"]),
+              help="Dtype the per-layer calibration statistics are kept in (on the host).")  # fmt: skip
 @click.option("--gguf", "gguf_type", default=None, type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m",
               "q5_k_m", "q6_k"]), help="Also write OUTPUT/model.gguf of this type (checked in llama.cpp).")  # fmt: skip
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
@@ -501,7 +503,7 @@ def parse_size(text: str) -> int:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 def shrink(source, output, params, to, calibration, sequences, length, stock, units, budget, time_limit, seed,
-           gguf_type, gguf_file, tokenizer_path, quiet, overwrite):  # fmt: skip
+           statistics_dtype, gguf_type, gguf_file, tokenizer_path, quiet, overwrite):  # fmt: skip
     """Remove --params of SOURCE's non-embedding parameters (or shrink it --to a size) by a joint search over
     whole layers, query heads / KV groups and MLP channels; save the result to OUTPUT with shrink.json.
 
@@ -522,7 +524,8 @@ def shrink(source, output, params, to, calibration, sequences, length, stock, un
         result = run_shrink(
             source, output, params=params, to=size, calibration=calibration, sequences=sequences, length=length,
             stock=stock, units=chosen, budget=budget,
-            time_limit=time_limit, seed=seed, gguf_type=gguf_type, gguf_file=gguf_file,
+            time_limit=time_limit, seed=seed, statistics_dtype=statistics_dtype, gguf_type=gguf_type,
+            gguf_file=gguf_file,
             tokenizer_path=tokenizer_path, quiet=quiet, overwrite=overwrite, save=_save_atomically,
         )  # fmt: skip
     except (OSError, ValueError, ImportError) as err:

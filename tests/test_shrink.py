@@ -72,6 +72,7 @@ def test_the_built_model_is_the_candidate_that_was_measured():
     # the held-out perplexity was measured with masks and refits; the sliced model must give the same
     assert heldout_ppl(model, sequences()) == pytest.approx(result.heldout_ppl[result.chosen], rel=1e-4)
     assert result.params_before - result.params_after == result.removed
+    assert result.statistics is None  # not kept unless asked (keep_statistics=True)
 
 
 STEP = 8 * 3 * 48  # one MLP step: 8 channels x (gate, up rows + down column) of width 48
@@ -169,6 +170,7 @@ def test_uneven_plans_reload_through_sinv_prune(tmp_path):
         ({"params": 0.2, "units": ("layers", "heads")}, "must include 'mlp'"),
         ({"params": 0.99}, "no plan removes"),
         ({"params": None, "to": 10**9}, "the target must remove"),
+        ({"params": 0.2, "statistics_dtype": "float16"}, "statistics_dtype 'float16'"),
     ],
 )
 def test_bad_requests_raise_one_line_and_change_nothing(kwargs, message):
@@ -236,7 +238,7 @@ def test_shrunk_models_pass_the_llama_cpp_round_trip(tmp_path, stock):
 
 def test_reused_statistics_give_the_same_cut_on_a_fresh_copy():
     first, second, third = tiny_llama(), tiny_llama(), tiny_llama()
-    ra = run(first, seed=2)
+    ra = run(first, seed=2, keep_statistics=True)
     rb = run(second, share=0.25, seed=2, statistics=ra.statistics)  # the pass of the (now pruned) first model
     rc = run(third, share=0.25, seed=2)
     assert rb.plan == rc.plan and rb.fitness == rc.fitness

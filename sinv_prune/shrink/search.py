@@ -1,8 +1,9 @@
 """``shrink``: remove a share of a model's parameters by a joint search over whole layers, heads, MLP channels
 and (mixture-of-experts models) routed experts.
 
-1. One pass over the calibration text measures what the search needs (:mod:`~sinv_prune.shrink.statistics`):
-   per-layer statistics of the consumers, OBS orders, block influence.
+1. One pass over the calibration text, one block at a time, measures what the search needs
+   (:mod:`~sinv_prune.shrink.statistics`): per-layer statistics of the consumers (kept on the host in
+   ``statistics_dtype``), OBS orders, block influence, REAP scores of MoE layers' experts.
 2. Seeds: the uniform single-unit cuts (MLP channels only, or experts only on a MoE model; query heads / KV
    groups only; whole layers only, the least influential blocks) and their mixes with uniform MLP channels
    (experts) making up the rest.
@@ -35,10 +36,11 @@ from sinv_prune.scoring.criteria.base import preserve_modes
 from sinv_prune.shrink.calibration import calibration_sequences
 from sinv_prune.shrink.fitness import Candidates
 from sinv_prune.shrink.space import Genome, Space, build_space
-from sinv_prune.shrink.statistics import Picks
+from sinv_prune.shrink.statistics import Picks, mlp_order
+from sinv_prune.surgery import consumer_statistics
 from sinv_prune.surgery.block_inputs import input_device
 from sinv_prune.surgery.consumer_statistics import Statistics, consumer_modules
-from sinv_prune.surgery.refit import write_consumer
+from sinv_prune.surgery.refit import consumer_weights, write_consumer
 from sinv_prune.surgery.removal import count_parameters, prune
 from sinv_prune.units.experts import EXPERTS
 from sinv_prune.units.heads import HEADS
@@ -151,6 +153,8 @@ def shrink(
     quiet: bool = False,
     statistics: Statistics | None = None,
     refine: bool = False,
+    statistics_dtype: str = "float32",
+    keep_statistics: bool = False,
 ) -> ShrinkResult:
     """Remove ``params`` (a share, 0-1) of ``model``'s non-embedding parameters, or down to ``to`` parameters in
     all, in place, by the joint search of this module's docstring; returns a :class:`ShrinkResult`.
@@ -164,7 +168,11 @@ def shrink(
     channels, ``experts`` on MoE layers, to one expert); ``min_mlp``: share of each layer's channels (and
     experts, at least ``num_experts_per_tok``) that stays. Bad arguments raise a
     one-line ``ValueError`` before anything changes. ``statistics``: the :class:`Statistics` of an earlier call
-    on this same (unpruned) model and calibration, to skip the pass (``result.statistics`` holds it).
+    on this same (unpruned) model and calibration, to skip the pass (``result.statistics`` holds it where that
+    call had ``keep_statistics=True``; otherwise it is None and the statistics are freed on return).
+    ``statistics_dtype``: ``"float32"`` (default) or ``"float64"``, the dtype the per-layer sums are kept in
+    (on the host, one layer on the device at a time; ``scripts/check_statistics_dtype.py`` measures the
+    difference).
     ``refine``: also build the chosen plan block by block (:func:`~sinv_prune.prune` with ``compensate="obs"``
     on every calibration sequence, after the blocks are dropped) and keep it where its held-out perplexity
     is lower (``result.built`` says which; it costs a full compensation pass and a copy of the model).
@@ -173,6 +181,7 @@ def shrink(
     adapter = get_adapter(model)
     units = model_units(adapter) if units is None else tuple(units)
     _check(model, adapter, params, to, units, budget, holdout, fitness_sequences, min_mlp, multiple)
+    dtype = consumer_statistics.statistics_dtype(statistics_dtype)
     before = count_parameters(model)
     non_emb = non_embedding_parameters(model)
     target = math.ceil(params * non_emb) if params is not None else before - int(to)
@@ -187,12 +196,19 @@ def shrink(
     held_seqs = [s for s, h in zip(seqs, heldout, strict=True) if h]
     seconds: dict[str, float] = {}
     t = time.perf_counter()
-    stats = statistics or Statistics(model, adapter, seqs, heldout, quiet=quiet)
+    orders: dict[int, list[list[int]]] = {}
+
+    def on_layer(layer: int, fits: dict) -> None:  # the MLP's OBS order while its statistics are on the device
+        s = space.layers[layer]
+        if s.max_steps:
+            orders[layer] = mlp_order(s, fits[MLP.name, layer][0], consumer_weights(adapter.mlp_out(layer))[0])
+
+    stats = statistics or Statistics(model, adapter, seqs, heldout, quiet=quiet, dtype=dtype, on_layer=on_layer)
     if len(stats.influence) != adapter.num_layers:
         raise ValueError("statistics= come from another model (its layer count differs)")
     seconds["statistics"] = time.perf_counter() - t
     t = time.perf_counter()
-    picks = Picks(stats, space, adapter, quiet=quiet)
+    picks = Picks(stats, space, adapter, quiet=quiet, orders=orders)
     seconds["OBS orders"] = time.perf_counter() - t
     bypass = stats.bypass_order()
     rng = random.Random(seed)
@@ -284,7 +300,9 @@ def shrink(
                   "heldout_tokens": sum(s.numel() for s in held_seqs), "time_limit": time_limit},
     )  # fmt: skip
     result.summary = summary  # the removal's PruneSummary (not fields: to_dict leaves them out)
-    result.statistics = stats
+    result.statistics = stats if keep_statistics else None
+    if not keep_statistics and statistics is None:
+        stats.close()
     return result
 
 

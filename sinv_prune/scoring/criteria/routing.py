@@ -243,3 +243,30 @@ def _collect(store: dict, logits: dict, adapter, layer: int, mask, criterion: Ro
         }
 
     return hook
+
+
+def layer_hooks(criterion: RoutingCriterion, model: nn.Module, layer: int, seen: dict) -> tuple:
+    """The hooks :meth:`RoutingCriterion.update` puts on MoE layer ``layer``, unregistered, to run it alone.
+
+    ``(router forward hook or None, experts forward pre-hook with kwargs)``: a forward of the layer puts
+    its sums in ``seen[layer]``; add them up over batches with :func:`add_layer_sums`, turn them into
+    scores with :func:`layer_scores` (layer-wise calibration: :mod:`sinv_prune.surgery.layerwise`).
+    """
+    adapter = get_adapter(model)
+    logits: dict[int, torch.Tensor] = {}
+    router = _keep_logits(logits, layer) if criterion.uses_gates else None
+    return router, _collect(seen, logits, adapter, layer, None, criterion)
+
+
+def add_layer_sums(total: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One layer's sums of a batch added to those of the batches before (None: the first)."""
+    if total is None:
+        return dict(new)
+    return {key: total[key] + new[key] for key in (*STATS, "tokens")}
+
+
+def layer_scores(criterion: RoutingCriterion, sums: dict[str, torch.Tensor]) -> list[float]:
+    """The criterion's scores of one layer's experts from its sums over every batch."""
+    if criterion.name == "frequency":
+        raise ValueError("frequency: layer_scores needs the token count of every layer; use scores()")
+    return [float(x) for x in criterion._layer_scores(sums).cpu()]
