@@ -80,3 +80,36 @@ def test_layer_by_layer_keyword_overrides_and_a_criterion_that_cannot_walk_says_
         get_criterion("taylor").compute(model, batches, layer_by_layer=True)
     with pytest.raises(ValueError, match="batches was empty"):
         criterion.compute(model, [], layer_by_layer=True)
+
+
+def test_sensitivity_damage_equals_zeroing_the_channels_in_a_whole_model_pass():
+    """block_damage walks the blocks through the engine; a whole-model pass with the channels zeroed agrees."""
+    import copy
+
+    from sinv_prune.scoring.allocation import Group, block_damage
+
+    model = tiny_model("llama")
+    batches = [model_inputs(seed=s, batch=2, length=10) for s in range(2)]
+    group = Group("mlp", 1, [float((7 * c) % 64) for c in range(64)], cost=1, allowed=[0, 16, 32, 48])
+    damage = block_damage(model, [group], batches, trials=3, quiet=True)
+
+    def block_outputs(m) -> list[torch.Tensor]:
+        seen = []
+        handle = m.model.layers[1].register_forward_hook(
+            lambda mod, a, o: seen.append(o[0] if isinstance(o, tuple) else o)
+        )
+        with torch.no_grad():
+            for batch in batches:
+                m(**batch)
+        handle.remove()
+        return seen
+
+    clean = block_outputs(model)
+    norm = sum(float(y.double().square().sum()) for y in clean)
+    assert set(damage["mlp", 1]) == {0, 16, 32, 48}
+    for k in (16, 32, 48):
+        zeroed = copy.deepcopy(model)
+        with torch.no_grad():
+            zeroed.model.layers[1].mlp.down_proj.weight[:, group.pick(k)] = 0.0
+        err = sum(float((y - c).double().square().sum()) for y, c in zip(block_outputs(zeroed), clean, strict=True))
+        assert damage["mlp", 1][k] == pytest.approx(err / norm, rel=1e-4)
