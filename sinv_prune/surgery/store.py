@@ -1,8 +1,10 @@
-"""Per-layer tensors held off the compute device: in host memory, or in files on disk.
+"""Tensors held off the compute device until needed again: in host memory, or in files on disk.
 
 Layer-wise calibration (:mod:`~sinv_prune.surgery.layerwise`) measures one block at a time; what a
 block's measurement leaves for later (shrink's Gram and cross matrices, say) waits here, so the
-compute device holds one layer's worth at a time. :meth:`Store.get` brings one key's tensors to the
+compute device holds one layer's worth at a time. :func:`~sinv_prune.prune` keeps its rollback
+copies and the plainly pruned weights of refitted consumers here too, so what it holds beyond the
+model does not grow with depth on disk. :meth:`Store.get` brings one key's tensors to the
 device for a solve; they are freed when the caller drops them. ``where="disk"`` writes each key to a
 safetensors file in a temporary directory that :meth:`Store.close` (or the store's collection, or the
 interpreter's exit) removes.
@@ -13,27 +15,29 @@ from __future__ import annotations
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
-__all__ = ["Store"]
+__all__ = ["PLACES", "Store"]
 
-WHERE = ("cpu", "disk")
+#: Where a :class:`Store` keeps its tensors.
+PLACES = WHERE = ("cpu", "disk")
 
 
 class Store:
-    """Tensors per key (a string), each key a dict ``{name: tensor}``, held on the host (``where="cpu"``) or on
+    """Tensors per key, each key a dict ``{name: tensor or None}``, held on the host (``where="cpu"``) or on
     disk (``where="disk"``, safetensors files under ``directory`` or a new temporary directory)."""
 
     def __init__(self, where: str = "cpu", directory: str | Path | None = None):
         if where not in WHERE:
             raise ValueError(f"store where={where!r}: expected one of {', '.join(WHERE)}")
         self.where = where
-        self._held: dict[str, dict[str, torch.Tensor]] = {}
-        self._files: dict[str, Path] = {}
-        self._bytes: dict[str, int] = {}
+        self._held: dict[Hashable, dict[str, torch.Tensor | None]] = {}
+        self._files: dict[Hashable, tuple[Path, tuple[str, ...]]] = {}
+        self._bytes: dict[Hashable, int] = {}
+        self._count = 0
         self.directory: Path | None = None
         self._cleanup = None
         self._closed = False
@@ -41,22 +45,27 @@ class Store:
             self.directory = Path(tempfile.mkdtemp(prefix="sinv-prune-store-", dir=directory))
             self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
 
-    def put(self, key: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
-        """Hold ``tensors`` under ``key`` (replacing what it held), copied to the host (cast to ``dtype`` if given)."""
+    def put(self, key: Hashable, tensors: Mapping[str, torch.Tensor | None], dtype: torch.dtype | None = None) -> None:
+        """Hold ``tensors`` under ``key`` (replacing what it held), copied to the host (cast to ``dtype`` if given).
+
+        ``None`` values are kept as ``None`` (a consumer without a bias, say).
+        """
         if self.closed:
             raise ValueError("the store is closed")
-        host = {name: _host(t, dtype) for name, t in tensors.items()}
-        self._bytes[key] = sum(t.numel() * t.element_size() for t in host.values())
+        host = {name: None if t is None else _host(t, dtype) for name, t in tensors.items()}
+        self.drop(key)
+        self._bytes[key] = sum(t.numel() * t.element_size() for t in host.values() if t is not None)
         if self.where == "cpu":
             self._held[key] = host
             return
         from safetensors.torch import save_file
 
-        path = self._files.get(key) or self.directory / f"{len(self._files)}.safetensors"
-        save_file(host, str(path))
-        self._files[key] = path
+        self._count += 1
+        path = self.directory / f"{self._count}.safetensors"
+        save_file({name: t for name, t in host.items() if t is not None}, str(path))
+        self._files[key] = (path, tuple(name for name, t in host.items() if t is None))
 
-    def get(self, key: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> dict:
+    def get(self, key: Hashable, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> dict:
         """``key``'s tensors on ``device`` (default: the host), cast to ``dtype`` where given (floating ones only)."""
         if key not in self:
             raise KeyError(f"the store holds nothing under {key!r}")
@@ -65,25 +74,32 @@ class Store:
         else:
             from safetensors.torch import load_file
 
-            tensors = load_file(str(self._files[key]))
+            path, empty = self._files[key]
+            tensors = load_file(str(path)) | dict.fromkeys(empty)
         device = torch.device(device) if device is not None else torch.device("cpu")
-        return {name: _cast(t, device, dtype) for name, t in tensors.items()}
+        return {name: None if t is None else _cast(t, device, dtype) for name, t in tensors.items()}
 
-    def drop(self, key: str) -> None:
+    def pop(self, key: Hashable, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> dict:
+        """:meth:`get`, then forget ``key`` (its file is deleted)."""
+        tensors = self.get(key, device, dtype)
+        self.drop(key)
+        return tensors
+
+    def drop(self, key: Hashable) -> None:
         """Forget ``key`` (and delete its file)."""
         self._held.pop(key, None)
         self._bytes.pop(key, None)
-        path = self._files.pop(key, None)
-        if path is not None:
-            path.unlink(missing_ok=True)
+        held = self._files.pop(key, None)
+        if held is not None:
+            held[0].unlink(missing_ok=True)
 
-    def keys(self) -> list[str]:
+    def keys(self) -> list[Hashable]:
         return list(self._bytes)
 
     def __contains__(self, key: object) -> bool:
         return key in self._bytes
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[Hashable]:
         return iter(self.keys())
 
     def __len__(self) -> int:
