@@ -380,3 +380,50 @@ def test_dropping_layers_of_a_mixed_model_keeps_each_layers_kind_on_reload(famil
         adapter = get_adapter(reloaded)
         assert [bool(adapter.num_experts(i)) for i in range(adapter.num_layers)] == kept
         torch.testing.assert_close(logits(reloaded), expected, atol=1e-5, rtol=0)
+
+
+def reference_aux_loss(router_logits, removed: dict[int, list[int]], layers: list[int]) -> torch.Tensor:
+    """transformers' load-balancing loss over the kept experts, from the masked original's router logits: per
+    MoE layer, the kept columns' softmax and top-k; the shares pooled by kept position over the layers, times the
+    kept count (``E * sum_e f_e P_e``; f: the share of top-k picks, P: the mean probability)."""
+    picks, probs = 0, 0
+    for logits_, layer in zip(router_logits, layers, strict=True):
+        kept = [e for e in range(EXPERTS) if e not in removed.get(layer, [])]
+        p = torch.softmax(logits_[:, kept].double(), dim=-1)
+        chosen = torch.topk(p, TOP_K, dim=-1).indices
+        picks = picks + torch.nn.functional.one_hot(chosen, len(kept)).sum(dim=(0, 1)).double()
+        probs = probs + p.sum(dim=0)
+    rows = router_logits[0].shape[0] * len(layers)
+    return len(kept) * ((picks / rows) * (probs / rows)).sum()
+
+
+def test_an_even_expert_cut_beside_uneven_heads_keeps_the_load_balancing_loss(tmp_path):
+    """Uneven heads take the remote-code route; the expert count the config and the model state is the layers' one,
+    so the loss with labels (cross-entropy plus the router's aux loss) is the masked original's cross-entropy plus
+    the aux loss over the kept experts, before and after a reload."""
+    model = fresh("qwen3_moe")
+    model.config.output_router_logits = True
+    removed = {0: [0, 1], 2: [3, 4]}
+    reference = copy.deepcopy(model)
+    adapter = get_adapter(reference)
+    d = adapter.layout(0).head_dim
+    with torch.no_grad():  # heads 1 and 3 of layer 0 contribute nothing
+        for head in (1, 3):
+            adapter.out_proj(0).weight[:, head * d : (head + 1) * d] = 0
+    with masked_routers(reference, removed), torch.no_grad():
+        out = reference(INPUTS, labels=INPUTS)
+    aux = reference_aux_loss(out.router_logits, removed, moe_layers(model))
+    cross_entropy = out.loss - reference.config.router_aux_loss_coef * out.aux_loss
+    sinv_prune.prune(model, {"experts": removed, "heads": {0: [1, 3]}})
+    assert not get_record(model.config).stock_layout
+    model.save_pretrained(tmp_path)
+    assert transformers.AutoConfig.from_pretrained(tmp_path, trust_remote_code=True).num_experts == EXPERTS - 2
+    for pruned in (model, sinv_prune.from_pretrained(tmp_path).eval()):
+        assert pruned.num_experts == pruned.config.num_experts == EXPERTS - 2
+        with torch.no_grad():
+            got = pruned(INPUTS, labels=INPUTS)
+        torch.testing.assert_close(got.aux_loss.double(), aux, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            got.loss, cross_entropy + model.config.router_aux_loss_coef * got.aux_loss, atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(got.logits, out.logits, atol=1e-5, rtol=0)
