@@ -427,3 +427,14 @@ def test_an_even_expert_cut_beside_uneven_heads_keeps_the_load_balancing_loss(tm
             got.loss, cross_entropy + model.config.router_aux_loss_coef * got.aux_loss, atol=1e-5, rtol=0
         )
         torch.testing.assert_close(got.logits, out.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_open_expert_gates_leave_a_bf16_model_bit_identical(family):
+    """The gates' re-routing keeps each family's dtypes (Mixtral's top-k weights stay float32, the others' are
+    cast to the logits' dtype), so in bfloat16 open gates compute the plain model's logits exactly."""
+    model = fresh(family).to(torch.bfloat16)
+    plain = logits(model)
+    with get_unit("experts").gates(model, requires_grad=False):
+        gated = logits(model)
+    assert torch.equal(gated, plain), (gated.float() - plain.float()).abs().max()
