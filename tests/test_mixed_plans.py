@@ -35,6 +35,7 @@ import sinv_prune
 from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import linear_weight
 from sinv_prune.cli import main
+from sinv_prune.surgery.checkpoint import base_class
 from sinv_prune.surgery.record import get_record
 
 SETTINGS = settings(
@@ -334,7 +335,7 @@ def expected(model, plan: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
             recorded = ref(input_ids=INPUTS["input_ids"], attention_mask=INPUTS["attention_mask"],
                            output_router_logits=True).router_logits  # fmt: skip
     assert len(recorded) == len(kept)  # one router per MoE block that runs
-    balance = sys.modules[type(ref).__module__].load_balancing_loss_func
+    balance = sys.modules[base_class(type(ref)).__module__].load_balancing_loss_func  # the family's own
     aux = balance(tuple(r[:, k] for r, k in zip(recorded, kept, strict=True)), len(kept[0]),
                   ref.config.num_experts_per_tok, INPUTS["attention_mask"])  # fmt: skip
     return logits, lm + ref.config.router_aux_loss_coef * aux, aux
