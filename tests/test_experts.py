@@ -344,6 +344,23 @@ def test_uneven_counts_turn_off_the_load_balancing_loss_they_would_break(caplog)
     assert uniform(INPUTS, labels=INPUTS).aux_loss.isfinite()
 
 
+def test_dropping_every_moe_layer_turns_the_load_balancing_loss_off(caplog, tmp_path):
+    """With no router left, transformers' load-balancing loss would index an empty tuple at every forward."""
+    model = fresh("qwen3_moe")  # MoE layers 0 and 2 around dense layer 1
+    model.config.output_router_logits = True
+    sinv_prune.prune(model, {"layers": [2]})
+    assert model.config.output_router_logits  # one MoE layer left: the loss stays
+    sinv_prune.prune(model, {"layers": [0]})
+    assert not model.config.output_router_logits and "no mixture-of-experts layer is left" in caplog.text
+    assert moe_layers(model) == []
+    out = model(INPUTS, labels=INPUTS)
+    assert out.loss.isfinite() and out.aux_loss is None
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not reloaded.config.output_router_logits
+    torch.testing.assert_close(reloaded(INPUTS, labels=INPUTS).loss, out.loss, atol=1e-6, rtol=0)
+
+
 def test_sinv_depth_reads_a_moe_layers_c_ff_as_its_experts_mean():
     from sinv_prune.scoring.measures import head_measures
 

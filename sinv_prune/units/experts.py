@@ -182,13 +182,18 @@ class ExpertsUnit(Unit):
         setattr(model.config, adapter.config_experts_key, count)
         if isinstance(getattr(model, "num_experts", None), int):  # *ForCausalLM's load-balancing loss reads it
             model.num_experts = count
-        if len(set(counts)) > 1 and getattr(model.config, "output_router_logits", False):
+        if not getattr(model.config, "output_router_logits", False):
+            return
+        if len(set(counts)) > 1:
             # transformers' load-balancing loss stacks every layer's router logits: one expert count only.
-            model.config.output_router_logits = False
-            logger.warning(
-                "sinv_prune: MoE layers now keep different expert counts, which transformers' load-balancing loss "
-                "cannot take; output_router_logits is off, so fine-tuning trains without it"
-            )
+            why = "MoE layers now keep different expert counts, which transformers' load-balancing loss cannot take"
+        elif not counts:
+            # with no router logits at all, transformers' load-balancing loss indexes an empty tuple
+            why = "no mixture-of-experts layer is left, so there is no load-balancing loss to compute"
+        else:
+            return
+        model.config.output_router_logits = False
+        logger.warning("sinv_prune: %s; output_router_logits is off, so fine-tuning trains without it", why)
 
     # -- words ------------------------------------------------------------------------------------
 
