@@ -344,6 +344,23 @@ def test_uneven_counts_turn_off_the_load_balancing_loss_they_would_break(caplog)
     assert uniform(INPUTS, labels=INPUTS).aux_loss.isfinite()
 
 
+def test_dropping_every_moe_layer_turns_the_load_balancing_loss_off(caplog, tmp_path):
+    """With no router left, transformers' load-balancing loss would index an empty tuple at every forward."""
+    model = fresh("qwen3_moe")  # MoE layers 0 and 2 around dense layer 1
+    model.config.output_router_logits = True
+    sinv_prune.prune(model, {"layers": [2]})
+    assert model.config.output_router_logits  # one MoE layer left: the loss stays
+    sinv_prune.prune(model, {"layers": [0]})
+    assert not model.config.output_router_logits and "no mixture-of-experts layer is left" in caplog.text
+    assert moe_layers(model) == []
+    out = model(INPUTS, labels=INPUTS)
+    assert out.loss.isfinite() and out.aux_loss is None
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not reloaded.config.output_router_logits
+    torch.testing.assert_close(reloaded(INPUTS, labels=INPUTS).loss, out.loss, atol=1e-6, rtol=0)
+
+
 def test_sinv_depth_reads_a_moe_layers_c_ff_as_its_experts_mean():
     from sinv_prune.scoring.measures import head_measures
 
@@ -380,3 +397,61 @@ def test_dropping_layers_of_a_mixed_model_keeps_each_layers_kind_on_reload(famil
         adapter = get_adapter(reloaded)
         assert [bool(adapter.num_experts(i)) for i in range(adapter.num_layers)] == kept
         torch.testing.assert_close(logits(reloaded), expected, atol=1e-5, rtol=0)
+
+
+def reference_aux_loss(router_logits, removed: dict[int, list[int]], layers: list[int]) -> torch.Tensor:
+    """transformers' load-balancing loss over the kept experts, from the masked original's router logits: per
+    MoE layer, the kept columns' softmax and top-k; the shares pooled by kept position over the layers, times the
+    kept count (``E * sum_e f_e P_e``; f: the share of top-k picks, P: the mean probability)."""
+    picks, probs = 0, 0
+    for logits_, layer in zip(router_logits, layers, strict=True):
+        kept = [e for e in range(EXPERTS) if e not in removed.get(layer, [])]
+        p = torch.softmax(logits_[:, kept].double(), dim=-1)
+        chosen = torch.topk(p, TOP_K, dim=-1).indices
+        picks = picks + torch.nn.functional.one_hot(chosen, len(kept)).sum(dim=(0, 1)).double()
+        probs = probs + p.sum(dim=0)
+    rows = router_logits[0].shape[0] * len(layers)
+    return len(kept) * ((picks / rows) * (probs / rows)).sum()
+
+
+def test_an_even_expert_cut_beside_uneven_heads_keeps_the_load_balancing_loss(tmp_path):
+    """Uneven heads take the remote-code route; the expert count the config and the model state is the layers' one,
+    so the loss with labels (cross-entropy plus the router's aux loss) is the masked original's cross-entropy plus
+    the aux loss over the kept experts, before and after a reload."""
+    model = fresh("qwen3_moe")
+    model.config.output_router_logits = True
+    removed = {0: [0, 1], 2: [3, 4]}
+    reference = copy.deepcopy(model)
+    adapter = get_adapter(reference)
+    d = adapter.layout(0).head_dim
+    with torch.no_grad():  # heads 1 and 3 of layer 0 contribute nothing
+        for head in (1, 3):
+            adapter.out_proj(0).weight[:, head * d : (head + 1) * d] = 0
+    with masked_routers(reference, removed), torch.no_grad():
+        out = reference(INPUTS, labels=INPUTS)
+    aux = reference_aux_loss(out.router_logits, removed, moe_layers(model))
+    cross_entropy = out.loss - reference.config.router_aux_loss_coef * out.aux_loss
+    sinv_prune.prune(model, {"experts": removed, "heads": {0: [1, 3]}})
+    assert not get_record(model.config).stock_layout
+    model.save_pretrained(tmp_path)
+    assert transformers.AutoConfig.from_pretrained(tmp_path, trust_remote_code=True).num_experts == EXPERTS - 2
+    for pruned in (model, sinv_prune.from_pretrained(tmp_path).eval()):
+        assert pruned.num_experts == pruned.config.num_experts == EXPERTS - 2
+        with torch.no_grad():
+            got = pruned(INPUTS, labels=INPUTS)
+        torch.testing.assert_close(got.aux_loss.double(), aux, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            got.loss, cross_entropy + model.config.router_aux_loss_coef * got.aux_loss, atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(got.logits, out.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_open_expert_gates_leave_a_bf16_model_bit_identical(family):
+    """The gates' re-routing keeps each family's dtypes (Mixtral's top-k weights stay float32, the others' are
+    cast to the logits' dtype), so in bfloat16 open gates compute the plain model's logits exactly."""
+    model = fresh(family).to(torch.bfloat16)
+    plain = logits(model)
+    with get_unit("experts").gates(model, requires_grad=False):
+        gated = logits(model)
+    assert torch.equal(gated, plain), (gated.float() - plain.float()).abs().max()

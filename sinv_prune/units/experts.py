@@ -143,8 +143,19 @@ class ExpertsUnit(Unit):
         return changes
 
     def rebuild(self, adapter: HeadAdapter, layer: int, orig: int, record: PruningRecord) -> None:
-        if record.pruned_experts.get(orig):
-            apply_experts(adapter, layer, record.kept_experts(orig))
+        """Slice a freshly built layer to the record's experts; one the config already built at the kept count
+        (one count in every MoE layer, which the config states) stays as it is."""
+        if not record.pruned_experts.get(orig):
+            return
+        kept, count = record.kept_experts(orig), adapter.num_experts(layer)
+        if count == len(kept):
+            return
+        if count != record.num_experts:
+            raise ValueError(
+                f"layer {layer}: the config builds {count} experts, the pruning record keeps {len(kept)} of "
+                f"{record.num_experts}"
+            )
+        apply_experts(adapter, layer, kept)
 
     # -- reload routes ------------------------------------------------------------------------------
 
@@ -158,21 +169,31 @@ class ExpertsUnit(Unit):
         return None
 
     def state_config(self, model: nn.Module, adapter: HeadAdapter, record: PruningRecord, stock: bool) -> None:
-        """Set the config's expert count: the kept count on the stock route, the original on the remote-code one."""
+        """Set the config's and the model's expert count to the layers' one where every MoE layer keeps the same
+        count (on either route: the remote-code rebuild then leaves the built layers as they are); to the
+        original count where they differ (the rebuild slices each layer from it).
+
+        ``*ForCausalLM.num_experts`` is what transformers' load-balancing loss sizes its per-expert sums
+        with: it must be the count the layers' router logits have."""
         if adapter.config_experts_key is None or record.num_experts is None:
             return
         counts = adapter.expert_counts()
-        count = counts[0] if stock and counts else record.num_experts
+        count = counts[0] if counts and len(set(counts)) == 1 else record.num_experts
         setattr(model.config, adapter.config_experts_key, count)
         if isinstance(getattr(model, "num_experts", None), int):  # *ForCausalLM's load-balancing loss reads it
             model.num_experts = count
-        if len(set(counts)) > 1 and getattr(model.config, "output_router_logits", False):
+        if not getattr(model.config, "output_router_logits", False):
+            return
+        if len(set(counts)) > 1:
             # transformers' load-balancing loss stacks every layer's router logits: one expert count only.
-            model.config.output_router_logits = False
-            logger.warning(
-                "sinv_prune: MoE layers now keep different expert counts, which transformers' load-balancing loss "
-                "cannot take; output_router_logits is off, so fine-tuning trains without it"
-            )
+            why = "MoE layers now keep different expert counts, which transformers' load-balancing loss cannot take"
+        elif not counts:
+            # with no router logits at all, transformers' load-balancing loss indexes an empty tuple
+            why = "no mixture-of-experts layer is left, so there is no load-balancing loss to compute"
+        else:
+            return
+        model.config.output_router_logits = False
+        logger.warning("sinv_prune: %s; output_router_logits is off, so fine-tuning trains without it", why)
 
     # -- words ------------------------------------------------------------------------------------
 

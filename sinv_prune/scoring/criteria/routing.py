@@ -164,23 +164,36 @@ class ReapCriterion(RoutingCriterion):
     Score of expert ``e`` = the mean, over the calibration tokens routed to it, of its gate value
     times the norm of its output, ``mean_{x routed to e} g_e(x) ||f_e(x)||_2``: how much the expert
     adds to the layer's output when it is used, however often that is. An expert never routed scores
-    0 and goes first. ``g_e(x)`` is the router's softmax probability of ``e`` over all experts, as in
-    the authors' code; ``renormalize=True`` divides it by the sum over the token's top k (their
-    ``renormalize_router_weights``), which is the weight the layer applies where the model
-    renormalises (Mixtral; Qwen-MoE and OLMoE with ``norm_topk_prob``; GPT-OSS, whose softmax over the
-    top-k logits equals it). Data: calibration batches.
+    0 and goes first. ``g_e(x)`` is the router's softmax probability of ``e`` over all experts;
+    renormalised, it is divided by the sum over the token's top k (the authors'
+    ``renormalize_router_weights``), the weight the layer applies where the model renormalises
+    (Mixtral; Qwen-MoE and OLMoE with ``norm_topk_prob``; GPT-OSS, whose softmax over the top-k logits
+    equals it). ``renormalize=None`` (the default) decides as the authors' code does since their
+    "Renorm router logits by default": renormalised where the model's config sets ``norm_topk_prob``
+    (Qwen3-MoE checkpoints), the plain softmax otherwise (Mixtral and GPT-OSS included: their configs
+    have no ``norm_topk_prob``); ``true`` / ``false`` force either. Data: calibration batches.
 
     .. code-block:: yaml
 
         criterion: reap
-        options: {renormalize: false}
+        options: {renormalize: null}
     """
 
     uses_gates = True
 
-    def __init__(self, renormalize: bool = False):
+    def __init__(self, renormalize: bool | None = None):
+        if renormalize is not None and not isinstance(renormalize, bool):
+            raise ValueError(
+                f"reap: renormalize must be true, false or null (the model's norm_topk_prob), got {renormalize!r}"
+            )
+        #: The option as given; ``renormalize`` is what the batches seen so far were scored with.
+        self.option = renormalize
         self.renormalize = bool(renormalize)
         super().__init__()
+
+    def update(self, model: nn.Module, batch: Mapping[str, Any]) -> None:
+        self.renormalize = default_renormalize(model) if self.option is None else self.option
+        super().update(model, batch)
 
     def report(self) -> dict:
         gate = "softmax probability / its sum over the top k" if self.renormalize else "softmax probability"
@@ -203,6 +216,12 @@ class EanCriterion(RoutingCriterion):
 
     def _layer_scores(self, stats):
         return stats["norm_sum"].clone()
+
+
+def default_renormalize(model: nn.Module) -> bool:
+    """REAP's default gate (the authors' code): the top-k-renormalised weight where ``config.norm_topk_prob`` is
+    set, the plain softmax probability otherwise."""
+    return bool(getattr(model.config, "norm_topk_prob", False))
 
 
 def _inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
