@@ -117,19 +117,17 @@ def _reset_peak() -> bool:
         return False
 
 
-def build(spec: dict):
-    """The random model of ``spec`` (``family`` llama or qwen3_moe), eval mode, in ``spec['dtype']``."""
-    import torch
+def config_of(spec: dict):
+    """``(config, model class)`` of the spec's random model (``family`` llama or qwen3_moe)."""
     import transformers
 
-    family, dtype = spec["family"], getattr(torch, spec["dtype"])
     common_kw = dict(vocab_size=spec["vocab"], hidden_size=spec["hidden"], num_hidden_layers=spec["layers"],
                      num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
                      max_position_embeddings=max(spec["seq_len"], 512), bos_token_id=0, eos_token_id=0,
                      tie_word_embeddings=False)  # fmt: skip
     if spec.get("head_dim"):
         common_kw["head_dim"] = spec["head_dim"]
-    if family == "llama":
+    if spec["family"] == "llama":
         config = transformers.LlamaConfig(intermediate_size=spec["intermediate"], **common_kw)
         cls = transformers.LlamaForCausalLM
     else:
@@ -139,6 +137,15 @@ def build(spec: dict):
                                              decoder_sparse_step=1, mlp_only_layers=[], **common_kw)  # fmt: skip
         cls = transformers.Qwen3MoeForCausalLM
     config._attn_implementation = "sdpa"
+    return config, cls
+
+
+def build(spec: dict):
+    """The random model of ``spec``, eval mode, in ``spec['dtype']``."""
+    import torch
+
+    family, dtype = spec["family"], getattr(torch, spec["dtype"])
+    config, cls = config_of(spec)
     torch.manual_seed(spec["seed"])
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in the target dtype: no float32 copy of an 8B model first
@@ -280,14 +287,27 @@ def parameter_count(spec: dict) -> int:
 
 
 def predicted(spec: dict) -> dict | None:
-    """The memory model's prediction of the row's overhead (None where the module is not installed)."""
+    """The memory model's overheads for the row (bytes beyond the model), layer-wise and whole-model designs;
+    None where :mod:`sinv_prune.pipeline.memory_model` is not installed."""
     if os.environ.get("SINV_PRUNE_BENCH_NO_PREDICTION"):
         return None
     try:
         from sinv_prune.pipeline import memory_model
     except ImportError:
         return None
-    return memory_model.bench_prediction(spec)
+    config, cls = config_of(spec)
+    shape = memory_model.shape_of(config, cls, spec["dtype"])
+    task = {"shrink": "shrink", "obs": "compensate", "reap": "criterion"}[spec["tool"]]
+    held = max(1, spec["sequences"] // 8)  # shrink's held-out share (1/8); its fitness batch: 4 of them, <= 256 tokens
+    options = dict(sequences=spec["sequences"], length=spec["seq_len"], device=spec["device"],
+                   offload=spec.get("offload") or "none",
+                   fitness_tokens=min(held, 4) * min(256, spec["seq_len"]))  # fmt: skip
+    out = {}
+    for design, layerwise in (("layerwise", True), ("whole", False)):
+        pred = memory_model.predict(shape, task, layerwise=layerwise, **options)
+        out[design] = {"device_overhead": pred.device_overhead, "host_overhead": pred.host_overhead,
+                       "device_peak": pred.device_peak, "host_peak": pred.host_peak}  # fmt: skip
+    return out
 
 
 def measure(spec: dict) -> dict:
@@ -392,16 +412,20 @@ def render(results: list[dict]) -> str:
         first.setdefault(key, measured)
         growth = f"{100 * (measured / first[key] - 1):+.0f}%" if first[key] > 0 else "-"
         pred = r.get("predicted") or {}
-        pred_value = pred.get("device_overhead" if cuda else "host_overhead")
+        field = "device_overhead" if cuda else "host_overhead"
         row = [f"{name} ({s['shape']})", s["layers"], _mib(r["model_bytes"]), _mib(r["host_overhead"])]
         if cuda:
             row.append(_mib(r["cuda_overhead"]))
-        row += [growth, f"{r['seconds']:.1f}", _mib(pred_value)]
+        row += [growth, f"{r['seconds']:.1f}"]
+        for design in ("layerwise", "whole"):
+            value = (pred.get(design) or {}).get(field)
+            ratio = f" ({value / measured:.2f}x)" if value and measured > 0 else ""
+            row.append(_mib(value) + ratio)
         lines.append(row)
     headers = ["tool (shape)", "layers", "model MiB", "peak host overhead MiB"]
     if cuda:
         headers.append("peak CUDA overhead MiB")
-    headers += ["overhead growth vs first depth", "time s", "predicted overhead MiB"]
+    headers += ["overhead growth vs first depth", "time s", "predicted: layer-wise", "predicted: whole-model"]
     lines = [ln if len(ln) == len(headers) else ln + [""] * (len(headers) - len(ln)) for ln in lines]
     return common.table(headers, lines)
 
