@@ -77,8 +77,9 @@ def parse(argv):
     ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny widths, 2 and 4 layers: tests the script only")
+    ap.add_argument("--quick", action="store_true", help="tiny widths, 1 and 2 layers: tests the script only")
     ap.add_argument("--json", help="write every result here")
+    ap.add_argument("--table-from", help="print the table of an earlier --json run, with today's predictions")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # one measurement, its spec as JSON
     args = ap.parse_args(argv)
     if args.large:
@@ -88,8 +89,8 @@ def parse(argv):
         if getattr(args, key) is None:
             setattr(args, key, base[key])
     if args.quick:
-        args.layers = [2, 4] if args.layers == [4, 8, 16] else args.layers
-        args.calib_sequences, args.seq_len, args.vocab = min(args.calib_sequences, 4), min(args.seq_len, 32), 128
+        args.layers = [1, 2] if args.layers == [4, 8, 16] else args.layers
+        args.calib_sequences, args.seq_len, args.vocab = min(args.calib_sequences, 4), min(args.seq_len, 16), 128
     if args.dtype is None:
         args.dtype = "bfloat16" if args.only == "large" else "float32"
     return args
@@ -149,8 +150,11 @@ def build(spec: dict):
     torch.manual_seed(spec["seed"])
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in the target dtype: no float32 copy of an 8B model first
+    # on CUDA without offload built there (an 8B shape's random init takes minutes on the CPU)
+    where = spec["device"] if spec["device"].startswith("cuda") and spec.get("offload") == "none" else "cpu"
     try:
-        model = cls(config).eval()
+        with torch.device(where):
+            model = cls(config).eval()
     finally:
         torch.set_default_dtype(previous)
     if family == "qwen3_moe":  # routers of a random init pick almost uniformly; wider logits route unevenly
@@ -359,6 +363,12 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
+        return 0
+    if args.table_from:
+        saved = json.loads(Path(args.table_from).read_text())
+        rows = [{**r, "predicted": predicted(r["spec"])} for r in saved["rows"]]
+        print(f"$ {saved['command']}\n")
+        print(render(rows))
         return 0
     command = common.command_line("scripts/bench_memory.py", argv)
     common.set_threads(args.threads)
