@@ -77,8 +77,9 @@ def parse(argv):
     ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny widths, 2 and 4 layers: tests the script only")
+    ap.add_argument("--quick", action="store_true", help="tiny widths, 1 and 2 layers: tests the script only")
     ap.add_argument("--json", help="write every result here")
+    ap.add_argument("--table-from", help="print the table of an earlier --json run, with today's predictions")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # one measurement, its spec as JSON
     args = ap.parse_args(argv)
     if args.large:
@@ -88,8 +89,8 @@ def parse(argv):
         if getattr(args, key) is None:
             setattr(args, key, base[key])
     if args.quick:
-        args.layers = [2, 4] if args.layers == [4, 8, 16] else args.layers
-        args.calib_sequences, args.seq_len, args.vocab = min(args.calib_sequences, 4), min(args.seq_len, 32), 128
+        args.layers = [1, 2] if args.layers == [4, 8, 16] else args.layers
+        args.calib_sequences, args.seq_len, args.vocab = min(args.calib_sequences, 4), min(args.seq_len, 16), 128
     if args.dtype is None:
         args.dtype = "bfloat16" if args.only == "large" else "float32"
     return args
@@ -117,19 +118,17 @@ def _reset_peak() -> bool:
         return False
 
 
-def build(spec: dict):
-    """The random model of ``spec`` (``family`` llama or qwen3_moe), eval mode, in ``spec['dtype']``."""
-    import torch
+def config_of(spec: dict):
+    """``(config, model class)`` of the spec's random model (``family`` llama or qwen3_moe)."""
     import transformers
 
-    family, dtype = spec["family"], getattr(torch, spec["dtype"])
     common_kw = dict(vocab_size=spec["vocab"], hidden_size=spec["hidden"], num_hidden_layers=spec["layers"],
                      num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
                      max_position_embeddings=max(spec["seq_len"], 512), bos_token_id=0, eos_token_id=0,
                      tie_word_embeddings=False)  # fmt: skip
     if spec.get("head_dim"):
         common_kw["head_dim"] = spec["head_dim"]
-    if family == "llama":
+    if spec["family"] == "llama":
         config = transformers.LlamaConfig(intermediate_size=spec["intermediate"], **common_kw)
         cls = transformers.LlamaForCausalLM
     else:
@@ -139,11 +138,23 @@ def build(spec: dict):
                                              decoder_sparse_step=1, mlp_only_layers=[], **common_kw)  # fmt: skip
         cls = transformers.Qwen3MoeForCausalLM
     config._attn_implementation = "sdpa"
+    return config, cls
+
+
+def build(spec: dict):
+    """The random model of ``spec``, eval mode, in ``spec['dtype']``."""
+    import torch
+
+    family, dtype = spec["family"], getattr(torch, spec["dtype"])
+    config, cls = config_of(spec)
     torch.manual_seed(spec["seed"])
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in the target dtype: no float32 copy of an 8B model first
+    # on CUDA without offload built there (an 8B shape's random init takes minutes on the CPU)
+    where = spec["device"] if spec["device"].startswith("cuda") and spec.get("offload") == "none" else "cpu"
     try:
-        model = cls(config).eval()
+        with torch.device(where):
+            model = cls(config).eval()
     finally:
         torch.set_default_dtype(previous)
     if family == "qwen3_moe":  # routers of a random init pick almost uniformly; wider logits route unevenly
@@ -280,14 +291,27 @@ def parameter_count(spec: dict) -> int:
 
 
 def predicted(spec: dict) -> dict | None:
-    """The memory model's prediction of the row's overhead (None where the module is not installed)."""
+    """The memory model's overheads for the row (bytes beyond the model), layer-wise and whole-model designs;
+    None where :mod:`sinv_prune.pipeline.memory_model` is not installed."""
     if os.environ.get("SINV_PRUNE_BENCH_NO_PREDICTION"):
         return None
     try:
         from sinv_prune.pipeline import memory_model
     except ImportError:
         return None
-    return memory_model.bench_prediction(spec)
+    config, cls = config_of(spec)
+    shape = memory_model.shape_of(config, cls, spec["dtype"])
+    task = {"shrink": "shrink", "obs": "compensate", "reap": "criterion"}[spec["tool"]]
+    held = max(1, spec["sequences"] // 8)  # shrink's held-out share (1/8); its fitness batch: 4 of them, <= 256 tokens
+    options = dict(sequences=spec["sequences"], length=spec["seq_len"], device=spec["device"],
+                   offload=spec.get("offload") or "none",
+                   fitness_tokens=min(held, 4) * min(256, spec["seq_len"]))  # fmt: skip
+    out = {}
+    for design, layerwise in (("layerwise", True), ("whole", False)):
+        pred = memory_model.predict(shape, task, layerwise=layerwise, **options)
+        out[design] = {"device_overhead": pred.device_overhead, "host_overhead": pred.host_overhead,
+                       "device_peak": pred.device_peak, "host_peak": pred.host_peak}  # fmt: skip
+    return out
 
 
 def measure(spec: dict) -> dict:
@@ -339,6 +363,12 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
+        return 0
+    if args.table_from:
+        saved = json.loads(Path(args.table_from).read_text())
+        rows = [{**r, "predicted": predicted(r["spec"])} for r in saved["rows"]]
+        print(f"$ {saved['command']}\n")
+        print(render(rows))
         return 0
     command = common.command_line("scripts/bench_memory.py", argv)
     common.set_threads(args.threads)
@@ -392,16 +422,20 @@ def render(results: list[dict]) -> str:
         first.setdefault(key, measured)
         growth = f"{100 * (measured / first[key] - 1):+.0f}%" if first[key] > 0 else "-"
         pred = r.get("predicted") or {}
-        pred_value = pred.get("device_overhead" if cuda else "host_overhead")
+        field = "device_overhead" if cuda else "host_overhead"
         row = [f"{name} ({s['shape']})", s["layers"], _mib(r["model_bytes"]), _mib(r["host_overhead"])]
         if cuda:
             row.append(_mib(r["cuda_overhead"]))
-        row += [growth, f"{r['seconds']:.1f}", _mib(pred_value)]
+        row += [growth, f"{r['seconds']:.1f}"]
+        for design in ("layerwise", "whole"):
+            value = (pred.get(design) or {}).get(field)
+            ratio = f" ({value / measured:.2f}x)" if value and measured > 0 else ""
+            row.append(_mib(value) + ratio)
         lines.append(row)
     headers = ["tool (shape)", "layers", "model MiB", "peak host overhead MiB"]
     if cuda:
         headers.append("peak CUDA overhead MiB")
-    headers += ["overhead growth vs first depth", "time s", "predicted overhead MiB"]
+    headers += ["overhead growth vs first depth", "time s", "predicted: layer-wise", "predicted: whole-model"]
     lines = [ln if len(ln) == len(headers) else ln + [""] * (len(headers) - len(ln)) for ln in lines]
     return common.table(headers, lines)
 

@@ -407,6 +407,7 @@ def _print_summary(results: dict, output: Path) -> None:
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
 @click.option("--allow-empty-layers", is_flag=True, help="Allow removing every head of a layer.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print the predicted peak memory (from the config alone); run nothing.")
 def prune(
     source: str,
     output: Path,
@@ -418,6 +419,7 @@ def prune(
     gguf_file: str | None,
     allow_empty_layers: bool,
     overwrite: bool,
+    dry_run: bool,
 ):
     """Remove heads, MLP channels, experts and/or whole layers from the model at SOURCE; save it to OUTPUT.
 
@@ -441,9 +443,12 @@ def prune(
             request["layers"] = parse_layers(layers)
     if not any(request.values()):
         raise UsageError("nothing to remove: give --heads, --mlp, --experts, --layers or --plan FILE.json")
-    if output.exists() and not overwrite:
+    if output.exists() and not overwrite and not dry_run:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     source = _model_source(source, gguf_file)
+    _memory_check(source, gguf_file, "plain", dry_run=dry_run)
+    if dry_run:
+        return
     try:
         model = from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
         summary = prune_plan(model, request, allow_empty_layers=allow_empty_layers)
@@ -456,6 +461,31 @@ def prune(
     )
     click.echo(str(summary))
     click.echo(f"saved to {output}" + ("" if tokenizer else " (no tokenizer found at the source)"))
+
+
+def _memory_check(source: str, gguf_file: str | None, task: str, *, dry_run: bool, sequences: int = 0,
+                  length: int = 0, device: str = "cpu", offload: str = "none") -> None:  # fmt: skip
+    """Predict the run's peak memory from SOURCE's config (no weight read) and refuse, exit 2 with one line
+    naming the option that would fit, a run the device (here the CPU: the host's available memory) cannot
+    hold; with ``dry_run`` also print the prediction. ``SINV_PRUNE_NO_MEMORY_CHECK=1`` skips the refusal
+    of a real run (the prediction errs high where its round constants do)."""
+    from sinv_prune.pipeline.memory_model import dry_run_check, gib, shape_of_source
+
+    if not dry_run and os.environ.get("SINV_PRUNE_NO_MEMORY_CHECK"):
+        return
+    try:
+        shape = shape_of_source(source, gguf_file)
+    except (OSError, ValueError) as err:
+        if dry_run:
+            raise UsageError(f"{source}: cannot read its config ({_one_line(err)})") from None
+        return  # the load itself says what is wrong
+    lines, refused = dry_run_check(shape, task, device, sequences=sequences, length=length, offload=offload)
+    if dry_run:
+        click.echo(f"{source}: {shape.layers} layers, {gib(shape.model_bytes)} of weights")
+        for line in lines:
+            click.echo(line)
+    if refused:
+        raise UsageError(refused)
 
 
 def parse_size(text: str) -> int:
@@ -502,8 +532,9 @@ def parse_size(text: str) -> int:
 @click.option("--tokenizer", "tokenizer_path", default=None, metavar="PATH", help="Tokenizer (default: SOURCE's).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print the predicted peak memory (from the config alone); run nothing.")
 def shrink(source, output, params, to, calibration, sequences, length, stock, units, budget, time_limit, seed,
-           statistics_dtype, gguf_type, gguf_file, tokenizer_path, quiet, overwrite):  # fmt: skip
+           statistics_dtype, gguf_type, gguf_file, tokenizer_path, quiet, overwrite, dry_run):  # fmt: skip
     """Remove --params of SOURCE's non-embedding parameters (or shrink it --to a size) by a joint search over
     whole layers, query heads / KV groups and MLP channels; save the result to OUTPUT with shrink.json.
 
@@ -515,10 +546,13 @@ def shrink(source, output, params, to, calibration, sequences, length, stock, un
 
     if (params is None) == (to is None):
         raise UsageError("give exactly one of --params SHARE and --to SIZE")
-    if output.exists() and not overwrite:
+    if output.exists() and not overwrite and not dry_run:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     size = parse_size(to) if to is not None else None
     source = _model_source(source, gguf_file)
+    _memory_check(source, gguf_file, "shrink", dry_run=dry_run, sequences=sequences, length=length)
+    if dry_run:
+        return
     chosen = None if units is None else tuple(u.strip() for u in units.split(",") if u.strip())
     try:
         result = run_shrink(
