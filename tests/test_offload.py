@@ -167,3 +167,47 @@ def test_from_pretrained_offloaded_loads_blocks_off_the_device(mode, tmp_path):
     sinv_prune.prune(model, PLAN_LLAMA)
     assert_same(model, reference, inputs, tmp_path)
 
+
+def test_cli_prune_and_shrink_offload(tmp_path):
+    """``sinv-prune prune --offload disk`` saves the same model as without; shrink refuses offloaded blocks."""
+    from click.testing import CliRunner
+
+    from sinv_prune.cli import main
+
+    base = tiny_model("llama")
+    base.save_pretrained(tmp_path / "src")
+    runner = CliRunner()
+    args = ["prune", str(tmp_path / "src"), "--heads", "0:1,4", "--layers", "2"]
+    plain = runner.invoke(main, [*args, str(tmp_path / "plain")])
+    assert plain.exit_code == 0, plain.output
+    offloaded_run = runner.invoke(main, [*args, str(tmp_path / "disk"), "--offload", "disk"])
+    assert offloaded_run.exit_code == 0, offloaded_run.output
+    assert not list(tmp_path.glob(".disk.offload.*"))  # the temporary offload folder is gone
+    inputs = model_inputs()
+    expected = model_output(sinv_prune.from_pretrained(tmp_path / "plain"), inputs)
+    torch.testing.assert_close(model_output(sinv_prune.from_pretrained(tmp_path / "disk"), inputs), expected,
+                               rtol=0, atol=0)  # fmt: skip
+    bad = runner.invoke(main, [*args, str(tmp_path / "x"), "--offload-folder", str(tmp_path / "f")])
+    assert bad.exit_code != 0 and "--offload-folder is only used with --offload disk" in bad.output
+    shrink = runner.invoke(main, ["shrink", str(tmp_path / "src"), str(tmp_path / "s"), "--params", "0.2",
+                                  "--calibration", str(tmp_path / "none.txt"), "--offload", "disk"])  # fmt: skip
+    assert shrink.exit_code != 0 and "shrink's search cannot run on offloaded blocks yet" in shrink.output
+    assert not (tmp_path / "s").exists()
+
+
+def test_recipe_offload_key_is_validated():
+    from test_recipe_settings import recipe
+
+    from sinv_prune.pipeline.model_settings import load_kwargs
+    from sinv_prune.pipeline.recipe import RecipeError, validate_recipe
+
+    data = recipe("some/model", model={"offload": "disk", "offload_folder": "/tmp/off"})
+    with pytest.raises(RecipeError, match="model.offload: finetune cannot run on offloaded blocks"):
+        validate_recipe(data)
+    data.pop("finetune")
+    assert load_kwargs(validate_recipe(data)) == {"offload": "disk", "offload_device": None,
+                                                  "offload_folder": "/tmp/off"}  # fmt: skip
+    with pytest.raises(RecipeError, match="'offload_folder' is only used with offload: disk"):
+        validate_recipe({**data, "model": {"path": "some/model", "offload": "cpu", "offload_folder": "x"}})
+    with pytest.raises(RecipeError, match="'offload' needs 'path' and no 'device_map'"):
+        validate_recipe({**data, "model": {"path": "some/model", "offload": "cpu", "device_map": "auto"}})

@@ -35,6 +35,10 @@ def load_kwargs(recipe: Recipe) -> dict[str, Any]:
         kwargs["device_map"] = spec.device_map
     if spec.attn_implementation is not None:
         kwargs["attn_implementation"] = spec.attn_implementation
+    if spec.offload != "none":
+        kwargs.update(offload=spec.offload, offload_device=recipe.device)
+        if spec.offload_folder is not None:
+            kwargs["offload_folder"] = recipe.resolve(spec.offload_folder)
     return kwargs
 
 
