@@ -195,19 +195,10 @@ def test_cli_prune_and_shrink_offload(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
-def test_recipe_offload_key_is_validated():
-    from test_recipe_settings import recipe
+def test_recipe_device_map_that_offloads_is_still_refused(tmp_path):
+    """Accelerate's offload now prunes, but a recipe run also scores and fine-tunes, which read weights in place."""
+    from sinv_prune.pipeline.model_settings import unloadable_reason
 
-    from sinv_prune.pipeline.model_settings import load_kwargs
-    from sinv_prune.pipeline.recipe import RecipeError, validate_recipe
-
-    data = recipe("some/model", model={"offload": "disk", "offload_folder": "/tmp/off"})
-    with pytest.raises(RecipeError, match="model.offload: finetune cannot run on offloaded blocks"):
-        validate_recipe(data)
-    data.pop("finetune")
-    assert load_kwargs(validate_recipe(data)) == {"offload": "disk", "offload_device": None,
-                                                  "offload_folder": "/tmp/off"}  # fmt: skip
-    with pytest.raises(RecipeError, match="'offload_folder' is only used with offload: disk"):
-        validate_recipe({**data, "model": {"path": "some/model", "offload": "cpu", "offload_folder": "x"}})
-    with pytest.raises(RecipeError, match="'offload' needs 'path' and no 'device_map'"):
-        validate_recipe({**data, "model": {"path": "some/model", "offload": "cpu", "device_map": "auto"}})
+    model = offloaded(tiny_model("llama"), "disk", tmp_path)
+    assert "it offloads weights" in unloadable_reason(model)
+    assert unloadable_reason(tiny_model("llama")) is None

@@ -84,10 +84,7 @@ class ModelSpec(Strict):
     model from scratch or GGUF); pruned and fine-tuned models are saved in it. ``device_map``
     (``path`` only): accelerate's placement (``auto``, a device, or ``{module: device}``) for a
     model larger than one device; surgery keeps each weight on its device. ``attn_implementation``:
-    ``eager``, ``sdpa``, ``flash_attention_2``, ... (omitted: transformers' default). ``offload``
-    (``path`` only; ``none``, ``cpu``, ``disk``): the transformer blocks stay in host RAM or on disk
-    (``offload_folder``, default a temporary one) and come to the device one at a time
-    (:mod:`sinv_prune.surgery.offload`); not with ``device_map``, ``train``, ``finetune`` or ``auto`` arms.
+    ``eager``, ``sdpa``, ``flash_attention_2``, ... (omitted: transformers' default).
 
     Mixture-of-experts architectures (``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe``) built from
     scratch get ``output_router_logits: true`` unless ``config`` sets it: the training loss then adds
@@ -103,8 +100,6 @@ class ModelSpec(Strict):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     device_map: str | dict[str, int | str] | None = None
     attn_implementation: str | None = None
-    offload: Literal["none", "cpu", "disk"] = "none"
-    offload_folder: str | None = None
 
     @field_validator("attn_implementation")
     @classmethod
@@ -151,10 +146,6 @@ class ModelSpec(Strict):
             raise ValueError("'gguf_file' and 'revision' need 'path'")
         if self.path is None and self.device_map is not None:
             raise ValueError("'device_map' needs 'path' (a model built from scratch goes on 'device')")
-        if self.offload != "none" and (self.path is None or self.device_map is not None):
-            raise ValueError("'offload' needs 'path' and no 'device_map' (it places the model itself)")
-        if self.offload_folder is not None and self.offload != "disk":
-            raise ValueError("'offload_folder' is only used with offload: disk")
         return self
 
     @property
@@ -962,12 +953,6 @@ class Recipe(Strict):
                 raise ValueError(f"push.arms: unknown arms {unknown}; the recipe's arms are {labels}")
             if len(self.push.arms or labels) > 1 and "{arm}" not in self.push.repo_id:
                 raise ValueError("push.repo_id: several arms are pushed; put '{arm}' in the repo id")
-        if self.model.offload != "none":
-            stages = [name for name, spec in (("train", self.train), ("finetune", self.finetune)) if spec is not None]
-            stages += [f"arm {a.label} (auto)" for a in self.prune.arms if a.auto is not None]
-            if stages:
-                raise ValueError(f"model.offload: {', '.join(stages)} cannot run on offloaded blocks; "
-                                 "set model.offload: none")  # fmt: skip
         needs_trace = [a.label for a in self.prune.arms if any(p.criterion == "sinv_early" for p in a.part_specs)]
         if needs_trace and (self.train is None or self.train.tracking is None):
             raise ValueError(f"arms {needs_trace} use sinv_early, which needs train.tracking")
