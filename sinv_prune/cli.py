@@ -386,6 +386,41 @@ def _print_summary(results: dict, output: Path) -> None:
     console.print(f"report: {output / 'report.md'}   results: {output / 'results.json'}")
 
 
+def offload_options(command):
+    """``--offload none|cpu|disk`` and ``--offload-folder``, shared by ``prune`` and ``shrink``."""
+    command = click.option(
+        "--offload-folder",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Where --offload disk writes the cut weights (default: a temporary folder next to OUTPUT, removed "
+        "after saving); safetensors checkpoints are read in place.",
+    )(command)
+    return click.option(
+        "--offload",
+        type=click.Choice(["none", "cpu", "disk"]),
+        default="none",
+        show_default=True,
+        help="Keep the transformer blocks in host RAM (cpu) or on disk and bring one at a time to the GPU "
+        "(accelerate's offload hooks); the model is never whole on the GPU (disk: nor in RAM).",
+    )(command)
+
+
+@contextlib.contextmanager
+def _offload_folder(offload: str, folder: Path | None, output: Path):
+    """The offload folder to use: ``folder``, or for disk offload a temporary one next to ``output``, removed after."""
+    if offload != "disk" or folder is not None:
+        if folder is not None and offload != "disk":
+            raise UsageError("--offload-folder is only used with --offload disk")
+        yield folder
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    made = Path(tempfile.mkdtemp(prefix=f".{output.name}.offload.", dir=output.parent))
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
 @main.command()
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=Path))
@@ -406,6 +441,7 @@ def _print_summary(results: dict, output: Path) -> None:
 )
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
 @click.option("--allow-empty-layers", is_flag=True, help="Allow removing every head of a layer.")
+@offload_options
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Print the predicted peak memory (from the config alone); run nothing.")
 def prune(
@@ -418,6 +454,8 @@ def prune(
     plan_file: Path | None,
     gguf_file: str | None,
     allow_empty_layers: bool,
+    offload: str,
+    offload_folder: Path | None,
     overwrite: bool,
     dry_run: bool,
 ):
@@ -446,19 +484,21 @@ def prune(
     if output.exists() and not overwrite and not dry_run:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     source = _model_source(source, gguf_file)
-    _memory_check(source, gguf_file, "plain", dry_run=dry_run)
+    _memory_check(source, gguf_file, "plain", dry_run=dry_run, offload=offload)
     if dry_run:
         return
-    try:
-        model = from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
-        summary = prune_plan(model, request, allow_empty_layers=allow_empty_layers)
-    except (OSError, ValueError) as err:
-        # The library names its keyword argument; here the user typed a flag.
-        raise UsageError(_one_line(err).replace("allow_empty_layers=True", "--allow-empty-layers")) from None
-    tokenizer = _load_tokenizer(source, gguf_file)
-    _save_atomically(
-        output, overwrite, lambda d: (model.save_pretrained(d), tokenizer and tokenizer.save_pretrained(d))
-    )
+    with _offload_folder(offload, offload_folder, output) as folder:
+        try:
+            load = {"gguf_file": gguf_file} if gguf_file else {}
+            model = from_pretrained(source, offload=offload, offload_folder=folder, **load)
+            summary = prune_plan(model, request, allow_empty_layers=allow_empty_layers)
+        except (OSError, ValueError) as err:
+            # The library names its keyword argument; here the user typed a flag.
+            raise UsageError(_one_line(err).replace("allow_empty_layers=True", "--allow-empty-layers")) from None
+        tokenizer = _load_tokenizer(source, gguf_file)
+        _save_atomically(
+            output, overwrite, lambda d: (model.save_pretrained(d), tokenizer and tokenizer.save_pretrained(d))
+        )
     click.echo(str(summary))
     click.echo(f"saved to {output}" + ("" if tokenizer else " (no tokenizer found at the source)"))
 
@@ -531,10 +571,12 @@ def parse_size(text: str) -> int:
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
 @click.option("--tokenizer", "tokenizer_path", default=None, metavar="PATH", help="Tokenizer (default: SOURCE's).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@offload_options
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Print the predicted peak memory (from the config alone); run nothing.")
 def shrink(source, output, params, to, calibration, sequences, length, stock, units, budget, time_limit, seed,
-           statistics_dtype, gguf_type, gguf_file, tokenizer_path, quiet, overwrite, dry_run):  # fmt: skip
+           statistics_dtype, gguf_type, gguf_file, tokenizer_path, quiet, offload, offload_folder, overwrite,
+           dry_run):  # fmt: skip
     """Remove --params of SOURCE's non-embedding parameters (or shrink it --to a size) by a joint search over
     whole layers, query heads / KV groups and MLP channels; save the result to OUTPUT with shrink.json.
 
@@ -550,20 +592,21 @@ def shrink(source, output, params, to, calibration, sequences, length, stock, un
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     size = parse_size(to) if to is not None else None
     source = _model_source(source, gguf_file)
-    _memory_check(source, gguf_file, "shrink", dry_run=dry_run, sequences=sequences, length=length)
+    _memory_check(source, gguf_file, "shrink", dry_run=dry_run, sequences=sequences, length=length, offload=offload)
     if dry_run:
         return
     chosen = None if units is None else tuple(u.strip() for u in units.split(",") if u.strip())
-    try:
-        result = run_shrink(
-            source, output, params=params, to=size, calibration=calibration, sequences=sequences, length=length,
-            stock=stock, units=chosen, budget=budget,
-            time_limit=time_limit, seed=seed, statistics_dtype=statistics_dtype, gguf_type=gguf_type,
-            gguf_file=gguf_file,
-            tokenizer_path=tokenizer_path, quiet=quiet, overwrite=overwrite, save=_save_atomically,
-        )  # fmt: skip
-    except (OSError, ValueError, ImportError) as err:
-        raise UsageError(_one_line(err)) from None
+    with _offload_folder(offload, offload_folder, output) as folder:
+        try:
+            result = run_shrink(
+                source, output, params=params, to=size, calibration=calibration, sequences=sequences, length=length,
+                stock=stock, units=chosen, budget=budget,
+                time_limit=time_limit, seed=seed, statistics_dtype=statistics_dtype, gguf_type=gguf_type,
+                gguf_file=gguf_file, tokenizer_path=tokenizer_path, quiet=quiet, overwrite=overwrite,
+                save=_save_atomically, offload=offload, offload_folder=folder,
+            )  # fmt: skip
+        except (OSError, ValueError, ImportError) as err:
+            raise UsageError(_one_line(err)) from None
     click.echo(str(result))
     click.echo(f"saved to {output}")
 

@@ -40,6 +40,7 @@ from sinv_prune.shrink.statistics import Picks, mlp_order
 from sinv_prune.surgery import consumer_statistics
 from sinv_prune.surgery.block_inputs import input_device
 from sinv_prune.surgery.consumer_statistics import Statistics, consumer_modules
+from sinv_prune.surgery.offload import apply_offload
 from sinv_prune.surgery.refit import consumer_weights, write_consumer
 from sinv_prune.surgery.removal import count_parameters, prune
 from sinv_prune.units.experts import EXPERTS
@@ -155,6 +156,8 @@ def shrink(
     refine: bool = False,
     statistics_dtype: str = "float32",
     keep_statistics: bool = False,
+    offload: str = "none",
+    offload_folder: str | None = None,
 ) -> ShrinkResult:
     """Remove ``params`` (a share, 0-1) of ``model``'s non-embedding parameters, or down to ``to`` parameters in
     all, in place, by the joint search of this module's docstring; returns a :class:`ShrinkResult`.
@@ -176,8 +179,12 @@ def shrink(
     ``refine``: also build the chosen plan block by block (:func:`~sinv_prune.prune` with ``compensate="obs"``
     on every calibration sequence, after the blocks are dropped) and keep it where its held-out perplexity
     is lower (``result.built`` says which; it costs a full compensation pass and a copy of the model).
+    ``offload``: ``none``, ``cpu`` or ``disk`` (``offload_folder``), applied first
+    (:func:`~sinv_prune.surgery.offload.apply_offload`); the search swaps weights in the live model, so for now
+    a model whose blocks are (or would be) offloaded is refused before anything changes.
     """
     start = time.perf_counter()
+    apply_offload(model, offload, folder=offload_folder, unsupported="shrink's search")
     adapter = get_adapter(model)
     units = model_units(adapter) if units is None else tuple(units)
     _check(model, adapter, params, to, units, budget, holdout, fitness_sequences, min_mlp, multiple)

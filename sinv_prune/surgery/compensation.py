@@ -51,6 +51,7 @@ from sinv_prune.surgery.block_inputs import HOLDOUT, BlockInput, Stop, capture_b
 from sinv_prune.surgery.cuts import Cut, head_cuts, mlp_cuts
 from sinv_prune.surgery.heldout import HeldOutLoss
 from sinv_prune.surgery.obs import obs_select
+from sinv_prune.surgery.offload import Turns, onloaded
 from sinv_prune.surgery.refit import ConsumerFit, consumer_weights, write_consumer
 from sinv_prune.surgery.store import Store
 
@@ -210,14 +211,17 @@ def add_attention_biases(model: nn.Module, adapter: HeadAdapter) -> bool:
     """
     if all(getattr(adapter.out_proj(i), "bias", None) is not None for i in range(adapter.num_layers)):
         return False
-    for layer in range(adapter.num_layers):
-        attn = adapter.attention(layer)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            proj = getattr(attn, name)
-            if proj.bias is None:
-                proj.bias = nn.Parameter(
-                    proj.weight.new_zeros(proj.out_features), requires_grad=proj.weight.requires_grad
-                )
+    blocks = adapter.layers()
+    with Turns() as turn:
+        for layer in range(adapter.num_layers):
+            turn(blocks[layer])  # offloaded blocks: the new biases go to the weights map
+            attn = adapter.attention(layer)
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                proj = getattr(attn, name)
+                if proj.bias is None:
+                    proj.bias = nn.Parameter(
+                        proj.weight.new_zeros(proj.out_features), requires_grad=proj.weight.requires_grad
+                    )
     model.config.attention_bias = True
     return True
 
@@ -264,9 +268,10 @@ def compensate(
     blocks, last, undo = adapter.layers(), max(cuts), []
     options = _Options(method, ridge, PRECISIONS[precision], held > 0)
     teacher, student = [i.hidden for i in inputs], None
-    with torch.no_grad():
+    with torch.no_grad(), Turns() as turn:
         for index in range(last + 1):
             block, layer_cuts = blocks[index], cuts.get(index, [])
+            turn(block)  # an offloaded block's weights come in for its turn; what changed goes back after
             targets = None
             if layer_cuts:
                 targets, advanced = _teacher_pass(index, block, layer_cuts, teacher, inputs, method, index < last)
@@ -287,6 +292,7 @@ def compensate(
             if student is not None and index < last:
                 student = [i.run(block, index, h) for h, i in zip(student, inputs, strict=True)]
         del teacher, student
+        turn.end()
         if heldout:
             report.heldout_kind = heldout.kind
             report.kept, report.heldout_loss = _keep_better(heldout, undo, store)
@@ -301,12 +307,14 @@ def _keep_better(heldout: HeldOutLoss, undo: list[_Undo], store: Store) -> tuple
     """
     compensated = heldout()
     for u in undo:
-        _swap(u.consumer, store, u.key, ("fitted", *u.key))
+        with onloaded(u.consumer, root=heldout.model):
+            _swap(u.consumer, store, u.key, ("fitted", *u.key))
     plain = heldout() if undo else compensated
     loss = {"unpruned": heldout.unpruned, "plain": plain, "compensated": compensated}
     if compensated < plain:
         for u in undo:
-            write_consumer(u.consumer, *_weights(store.pop(("fitted", *u.key), linear_weight(u.consumer).device)))
+            with onloaded(u.consumer, root=heldout.model):
+                write_consumer(u.consumer, *_weights(store.pop(("fitted", *u.key), linear_weight(u.consumer).device)))
         return "compensated", loss
     return "plain", loss
 

@@ -48,6 +48,10 @@ def block_device(block: nn.Module) -> torch.device:
     if execution is not None:
         return torch.device(execution) if not isinstance(execution, int) else torch.device("cuda", execution)
     first = next(block.parameters(), None)
+    if first is not None and first.device.type == "meta":  # offloaded below the block (cpu_offload's hooks)
+        from sinv_prune.surgery.offload import compute_device
+
+        return compute_device(block)
     return first.device if first is not None else torch.device("cpu")
 
 
@@ -146,7 +150,7 @@ class _on_device:
         self.home = None
 
     def __enter__(self):
-        if getattr(self.block, "_hf_hook", None) is None:
+        if not any(hasattr(m, "_hf_hook") for m in self.block.modules()):
             home = block_device(self.block)
             if home != self.device:
                 self.home = home

@@ -14,6 +14,14 @@ from sinv_prune.arch import HeadAdapter, get_adapter
 from sinv_prune.surgery import compensation
 from sinv_prune.surgery.checkpoint import base_class, dense_widths, finalize_checkpoint_format
 from sinv_prune.surgery.compensation import CompensationReport
+from sinv_prune.surgery.offload import (
+    Ledger,
+    apply_offload,
+    check_offload,
+    mark_offloaded,
+    offloaded_reason,
+    onloaded,
+)
 from sinv_prune.surgery.record import PruningRecord, get_record, set_record
 from sinv_prune.surgery.shapes import apply_layer, drop_layers
 from sinv_prune.surgery.store import PLACES, Store
@@ -191,6 +199,8 @@ def prune(
     precision: str = "float32",
     holdout: float = compensation.HOLDOUT,
     store: str = "cpu",
+    offload: str = "none",
+    offload_folder: str | None = None,
 ) -> PruneSummary:
     """Remove attention heads, MLP channels and whole blocks from ``model`` in place, through one plan.
 
@@ -255,10 +265,20 @@ def prune(
     already there are kept by reference) or ``"disk"`` (files in a temporary folder, deleted on
     return), so the memory beyond the model stays flat whatever the depth
     (:mod:`sinv_prune.surgery.store`).
+
+    ``offload="cpu"`` / ``"disk"`` first offloads the transformer blocks (host RAM, or files in
+    ``offload_folder``) with accelerate, so that only the block being cut or refitted is on the
+    compute device (:func:`~sinv_prune.surgery.offload.apply_offload`). A model already under
+    accelerate's offload hooks (``device_map`` with ``"cpu"`` / ``"disk"`` entries, ``cpu_offload``)
+    is pruned in place whatever ``offload`` says: each block's weights are brought in for its turn
+    and the cut ones written back to the hook's weights map, where forwards and ``save_pretrained``
+    read them (:mod:`sinv_prune.surgery.offload`).
     """
     if store not in PLACES:
         raise ValueError(f"store must be one of {', '.join(map(repr, PLACES))}, got {store!r}")
+    check_offload(offload, offload_folder)
     adapter = get_adapter(model)
+    apply_offload(model, offload, folder=offload_folder)
     refusal = unprunable_reason(model, adapter)
     if refusal:
         raise ValueError(f"cannot prune this model: {refusal}")
@@ -274,9 +294,11 @@ def prune(
     before = count_parameters(model)
     held = Store(store)
     snapshot = _Snapshot.take(model, adapter, checked, held, all_attention=bool(add_bias and compensate))
+    ledger = Ledger()  # writes to offloaded blocks' weight maps, undone with the snapshot
     try:
         options = (compensate, ridge, add_bias, precision)
-        changes, report = _cut(model, adapter, record, checked, inputs, options, snapshot)
+        with ledger.active():
+            changes, report = _cut(model, adapter, record, checked, inputs, options, snapshot)
         origin = record.kept_layers()
         dropped = checked.dropped
         dropped_original = [origin[i] for i in dropped]
@@ -287,9 +309,11 @@ def prune(
         finalize_checkpoint_format(model, adapter, record)
     except BaseException:
         snapshot.restore()
+        ledger.undo()
         raise
     finally:
         held.close()
+    mark_offloaded(model)  # save_pretrained then reads the offloaded (cut) weights through the hooks
     after = count_parameters(model)
     summary = PruneSummary([], before, after, report, removed_layers=dropped, removed_layers_original=dropped_original)
     for name, unit_changes in changes.items():
@@ -325,9 +349,11 @@ def _cut(model, adapter, record, plan: _Plan, inputs, options, snapshot: _Snapsh
             snapshot.store, snapshot.spill,
         )  # fmt: skip
     else:
+        blocks = adapter.layers()
         for unit, entry in entries:
             for layer in entry:
-                unit.cut(adapter, layer, entry[layer])
+                with onloaded(blocks[layer]):  # offloaded weights come in for the cut and go back cut
+                    unit.cut(adapter, layer, entry[layer])
                 snapshot.spill()
     origin = record.kept_layers()
     changes: dict[str, list] = {}
@@ -346,9 +372,13 @@ def unprunable_reason(model: nn.Module, adapter: HeadAdapter) -> str | None:
             f"it is quantized ({getattr(method, 'value', method)}); prune the unquantized model "
             "(GGUF files load as float models through sinv_prune.from_pretrained)"
         )
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if tensor.device.type == "meta":
-            return f"{name} is on the meta device (offloaded or never loaded); load every weight onto a real device"
+    for layer, block in enumerate(adapter.layers()):
+        reason = offloaded_reason(block)
+        if reason:
+            return f"layer {layer}: {reason} at or below its block; offload whole blocks (or load every weight)"
+    reason = offloaded_reason(model)
+    if reason:
+        return f"{reason} (never loaded?); load every weight onto a real device"
     for layer in range(adapter.num_layers):
         for module in [*adapter.touched_modules(layer), *adapter.mlp_modules(layer)]:
             for name, param in module.named_parameters():
@@ -411,8 +441,8 @@ class _Snapshot:
         for number, (_, _, params, buffers, _) in enumerate(self.modules):
             for kind, saved in (("parameter", params), ("buffer", buffers)):
                 for name, value in saved.items():
-                    if not isinstance(value, torch.Tensor) or id(value) in live:
-                        continue
+                    if not isinstance(value, torch.Tensor) or value.is_meta or id(value) in live:
+                        continue  # a meta tensor (an offloaded weight) costs nothing to keep
                     if id(value) not in moved:
                         key = (number, kind, name)
                         self.store.put(key, {"value": value})
