@@ -97,7 +97,7 @@ def test_target_met_within_one_mlp_step_by_every_seed_kind(monkeypatch):
     reference = tiny_llama()
     non_emb = non_embedding_parameters(reference)
     assert sum(p.numel() for p in reference.model.layers[0].parameters()) == BLOCK
-    stats = run(copy.deepcopy(reference), budget=1).statistics
+    stats = run(copy.deepcopy(reference), budget=1, keep_statistics=True).statistics
     cases = [(0.3, False), ((BLOCK - 200) / non_emb, False), ((4 * HEAD_OPTION - 100) / non_emb, False), (0.4, True)]
     kinds = set()
     for share, stock in cases:

@@ -142,7 +142,7 @@ def test_every_moe_seed_kind_meets_the_target_when_it_wins(monkeypatch):
         for name in names:
             monkeypatch.setattr(search, "seed_genomes", lambda s, b, r, name=name: {name: real(s, b, r)[name]})
             model = copy.deepcopy(reference)
-            result = shrink(model, share, budget=1, statistics=statistics)
+            result = shrink(model, share, budget=1, statistics=statistics, keep_statistics=True)
             statistics = result.statistics  # of the unpruned model: the same for every copy
             assert list(result.seeds) == [name]
             assert result.target <= result.removed < result.target + step, (share, name)
