@@ -8,6 +8,7 @@ then run over the kept experts, which is what the sliced router computes). A lay
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from sinv_prune.scoring.selection_units import _removals, select_channels
 from sinv_prune.surgery.record import PruningRecord
 from sinv_prune.units.base import Unit, per_layer, score_rows
 from sinv_prune.units.registry import register_unit
+
+logger = logging.getLogger(__name__)
 
 
 class ExpertsUnit(Unit):
