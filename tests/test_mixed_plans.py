@@ -236,7 +236,11 @@ def plans(draw, model, uniform: bool, keep_layers: int = 1) -> dict:
     among the blocks that stay; at least ``keep_layers`` blocks stay."""
     adapter = get_adapter(model)
     n = adapter.num_layers
-    dropped = sorted(draw(st.sets(st.integers(0, n - 1), max_size=n - keep_layers), label="layers"))
+    first = n > keep_layers and choose(draw)  # True in the simplest draw: block 0 goes, every later one renumbers
+    rest = (
+        draw(st.sets(st.integers(1, n - 1), max_size=n - keep_layers - first), label="other blocks") if n > 1 else set()
+    )
+    dropped = sorted(rest | ({0} if first else set()))
     kept = [layer for layer in range(n) if layer not in dropped]
     plan = {
         "layers": dropped,
