@@ -386,6 +386,41 @@ def _print_summary(results: dict, output: Path) -> None:
     console.print(f"report: {output / 'report.md'}   results: {output / 'results.json'}")
 
 
+def offload_options(command):
+    """``--offload none|cpu|disk`` and ``--offload-folder``, shared by ``prune`` and ``shrink``."""
+    command = click.option(
+        "--offload-folder",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Where --offload disk writes the cut weights (default: a temporary folder next to OUTPUT, removed "
+        "after saving); safetensors checkpoints are read in place.",
+    )(command)
+    return click.option(
+        "--offload",
+        type=click.Choice(["none", "cpu", "disk"]),
+        default="none",
+        show_default=True,
+        help="Keep the transformer blocks in host RAM (cpu) or on disk and bring one at a time to the GPU "
+        "(accelerate's offload hooks); the model is never whole on the GPU (disk: nor in RAM).",
+    )(command)
+
+
+@contextlib.contextmanager
+def _offload_folder(offload: str, folder: Path | None, output: Path):
+    """The offload folder to use: ``folder``, or for disk offload a temporary one next to ``output``, removed after."""
+    if offload != "disk" or folder is not None:
+        if folder is not None and offload != "disk":
+            raise UsageError("--offload-folder is only used with --offload disk")
+        yield folder
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    made = Path(tempfile.mkdtemp(prefix=f".{output.name}.offload.", dir=output.parent))
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
 @main.command()
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=Path))
@@ -406,7 +441,9 @@ def _print_summary(results: dict, output: Path) -> None:
 )
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
 @click.option("--allow-empty-layers", is_flag=True, help="Allow removing every head of a layer.")
+@offload_options
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print the predicted peak memory (from the config alone); run nothing.")
 def prune(
     source: str,
     output: Path,
@@ -417,7 +454,10 @@ def prune(
     plan_file: Path | None,
     gguf_file: str | None,
     allow_empty_layers: bool,
+    offload: str,
+    offload_folder: Path | None,
     overwrite: bool,
+    dry_run: bool,
 ):
     """Remove heads, MLP channels, experts and/or whole layers from the model at SOURCE; save it to OUTPUT.
 
@@ -441,21 +481,51 @@ def prune(
             request["layers"] = parse_layers(layers)
     if not any(request.values()):
         raise UsageError("nothing to remove: give --heads, --mlp, --experts, --layers or --plan FILE.json")
-    if output.exists() and not overwrite:
+    if output.exists() and not overwrite and not dry_run:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     source = _model_source(source, gguf_file)
-    try:
-        model = from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
-        summary = prune_plan(model, request, allow_empty_layers=allow_empty_layers)
-    except (OSError, ValueError) as err:
-        # The library names its keyword argument; here the user typed a flag.
-        raise UsageError(_one_line(err).replace("allow_empty_layers=True", "--allow-empty-layers")) from None
-    tokenizer = _load_tokenizer(source, gguf_file)
-    _save_atomically(
-        output, overwrite, lambda d: (model.save_pretrained(d), tokenizer and tokenizer.save_pretrained(d))
-    )
+    _memory_check(source, gguf_file, "plain", dry_run=dry_run, offload=offload)
+    if dry_run:
+        return
+    with _offload_folder(offload, offload_folder, output) as folder:
+        try:
+            load = {"gguf_file": gguf_file} if gguf_file else {}
+            model = from_pretrained(source, offload=offload, offload_folder=folder, **load)
+            summary = prune_plan(model, request, allow_empty_layers=allow_empty_layers)
+        except (OSError, ValueError) as err:
+            # The library names its keyword argument; here the user typed a flag.
+            raise UsageError(_one_line(err).replace("allow_empty_layers=True", "--allow-empty-layers")) from None
+        tokenizer = _load_tokenizer(source, gguf_file)
+        _save_atomically(
+            output, overwrite, lambda d: (model.save_pretrained(d), tokenizer and tokenizer.save_pretrained(d))
+        )
     click.echo(str(summary))
     click.echo(f"saved to {output}" + ("" if tokenizer else " (no tokenizer found at the source)"))
+
+
+def _memory_check(source: str, gguf_file: str | None, task: str, *, dry_run: bool, sequences: int = 0,
+                  length: int = 0, device: str = "cpu", offload: str = "none") -> None:  # fmt: skip
+    """Predict the run's peak memory from SOURCE's config (no weight read) and refuse, exit 2 with one line
+    naming the option that would fit, a run the device (here the CPU: the host's available memory) cannot
+    hold; with ``dry_run`` also print the prediction. ``SINV_PRUNE_NO_MEMORY_CHECK=1`` skips the refusal
+    of a real run (the prediction errs high where its round constants do)."""
+    from sinv_prune.pipeline.memory_model import dry_run_check, gib, shape_of_source
+
+    if not dry_run and os.environ.get("SINV_PRUNE_NO_MEMORY_CHECK"):
+        return
+    try:
+        shape = shape_of_source(source, gguf_file)
+    except (OSError, ValueError) as err:
+        if dry_run:
+            raise UsageError(f"{source}: cannot read its config ({_one_line(err)})") from None
+        return  # the load itself says what is wrong
+    lines, refused = dry_run_check(shape, task, device, sequences=sequences, length=length, offload=offload)
+    if dry_run:
+        click.echo(f"{source}: {shape.layers} layers, {gib(shape.model_bytes)} of weights")
+        for line in lines:
+            click.echo(line)
+    if refused:
+        raise UsageError(refused)
 
 
 def parse_size(text: str) -> int:
@@ -494,14 +564,19 @@ def parse_size(text: str) -> int:
 @click.option("--budget", default=48, show_default=True, type=click.IntRange(1), help="Plans evaluated by the search.")
 @click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None, help="Stop searching after S s.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the search (same seed, same plan).")
+@click.option("--statistics-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float64"]),
+              help="Dtype the per-layer calibration statistics are kept in (on the host).")  # fmt: skip
 @click.option("--gguf", "gguf_type", default=None, type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m",
               "q5_k_m", "q6_k"]), help="Also write OUTPUT/model.gguf of this type (checked in llama.cpp).")  # fmt: skip
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
 @click.option("--tokenizer", "tokenizer_path", default=None, metavar="PATH", help="Tokenizer (default: SOURCE's).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@offload_options
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print the predicted peak memory (from the config alone); run nothing.")
 def shrink(source, output, params, to, calibration, sequences, length, stock, units, budget, time_limit, seed,
-           gguf_type, gguf_file, tokenizer_path, quiet, overwrite):  # fmt: skip
+           statistics_dtype, gguf_type, gguf_file, tokenizer_path, quiet, offload, offload_folder, overwrite,
+           dry_run):  # fmt: skip
     """Remove --params of SOURCE's non-embedding parameters (or shrink it --to a size) by a joint search over
     whole layers, query heads / KV groups and MLP channels; save the result to OUTPUT with shrink.json.
 
@@ -513,20 +588,25 @@ def shrink(source, output, params, to, calibration, sequences, length, stock, un
 
     if (params is None) == (to is None):
         raise UsageError("give exactly one of --params SHARE and --to SIZE")
-    if output.exists() and not overwrite:
+    if output.exists() and not overwrite and not dry_run:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     size = parse_size(to) if to is not None else None
     source = _model_source(source, gguf_file)
+    _memory_check(source, gguf_file, "shrink", dry_run=dry_run, sequences=sequences, length=length, offload=offload)
+    if dry_run:
+        return
     chosen = None if units is None else tuple(u.strip() for u in units.split(",") if u.strip())
-    try:
-        result = run_shrink(
-            source, output, params=params, to=size, calibration=calibration, sequences=sequences, length=length,
-            stock=stock, units=chosen, budget=budget,
-            time_limit=time_limit, seed=seed, gguf_type=gguf_type, gguf_file=gguf_file,
-            tokenizer_path=tokenizer_path, quiet=quiet, overwrite=overwrite, save=_save_atomically,
-        )  # fmt: skip
-    except (OSError, ValueError, ImportError) as err:
-        raise UsageError(_one_line(err)) from None
+    with _offload_folder(offload, offload_folder, output) as folder:
+        try:
+            result = run_shrink(
+                source, output, params=params, to=size, calibration=calibration, sequences=sequences, length=length,
+                stock=stock, units=chosen, budget=budget,
+                time_limit=time_limit, seed=seed, statistics_dtype=statistics_dtype, gguf_type=gguf_type,
+                gguf_file=gguf_file, tokenizer_path=tokenizer_path, quiet=quiet, overwrite=overwrite,
+                save=_save_atomically, offload=offload, offload_folder=folder,
+            )  # fmt: skip
+        except (OSError, ValueError, ImportError) as err:
+            raise UsageError(_one_line(err)) from None
     click.echo(str(result))
     click.echo(f"saved to {output}")
 

@@ -60,9 +60,12 @@ def input_device(recipe: Recipe) -> str | None:
 def unloadable_reason(model: nn.Module) -> str | None:
     """Why a model loaded with a ``device_map`` cannot be pruned (offloaded weights), or None."""
     from sinv_prune.arch import get_adapter
+    from sinv_prune.surgery.offload import is_offloaded
     from sinv_prune.surgery.removal import unprunable_reason
 
     reason = unprunable_reason(model, get_adapter(model))
+    if reason is None and is_offloaded(model):  # the criteria and the fine-tune read weights in place
+        reason = "it offloads weights (cpu next to a GPU, or disk), which scoring and fine-tuning cannot read"
     return None if reason is None else f"model.device_map: cannot prune this placement: {reason}"
 
 

@@ -165,6 +165,10 @@ def _set(inp: BlockInput, positions: torch.Tensor) -> None:
 def input_device(model: nn.Module) -> torch.device:
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embeddings, "weight", None)
+    if weight is not None and weight.device.type == "meta":  # offloaded: where its accelerate hook runs it
+        from sinv_prune.surgery.offload import compute_device
+
+        return compute_device(embeddings)
     return weight.device if weight is not None else next(model.parameters()).device
 
 

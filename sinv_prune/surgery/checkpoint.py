@@ -204,12 +204,31 @@ def _auto_map(model_type: str, class_name: str) -> dict[str, str]:
     return out
 
 
-def from_pretrained(path_or_repo_id: str | os.PathLike, *, model_cls: type | None = None, **kwargs) -> nn.Module:
+def from_pretrained(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    model_cls: type | None = None,
+    offload: str = "none",
+    offload_folder: str | os.PathLike | None = None,
+    offload_device: str | None = None,
+    **kwargs,
+) -> nn.Module:
     """Load a pruned (or plain) checkpoint into the right class, with no remote code needed.
 
     ``gguf_file=`` loads a GGUF checkpoint as an ordinary float model that trains and
     saves (transformers alone marks it quantized). A path ending in ``.gguf`` works too.
+
+    ``offload="cpu"`` / ``"disk"`` loads the transformer blocks into host RAM / an offload folder
+    (``offload_folder``; safetensors checkpoints are read in place) behind accelerate's hooks and the
+    rest onto ``offload_device`` (default: the first GPU, else the CPU), through a ``device_map``
+    (:mod:`sinv_prune.surgery.offload`): the model is never whole on the device, and with disk
+    never whole in host RAM. Not with ``device_map=`` (give one or the other).
     """
+    from sinv_prune.surgery.offload import check_offload, offload_load_kwargs
+
+    check_offload(offload, offload_folder)
+    if offload != "none" and kwargs.get("device_map") is not None:
+        raise ValueError(f"offload={offload!r} places the model itself; do not also give device_map")
     path = os.fspath(path_or_repo_id)
     if path.endswith(".gguf") and os.path.isfile(path):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
@@ -219,6 +238,7 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, model_cls: type | Non
     cls = model_cls or model_class(config, record, gguf=bool(kwargs.get("gguf_file")))
     if record is not None and not record.stock_layout:
         cls = pruned_class(cls)
+    kwargs.update(offload_load_kwargs(cls, config, offload, offload_device, offload_folder))
     with _gguf_bar_follows_transformers() if kwargs.get("gguf_file") else contextlib.nullcontext():
         model = cls.from_pretrained(path, config=config, **kwargs)
     if kwargs.get("gguf_file"):

@@ -14,6 +14,7 @@ from torch import nn
 
 from sinv_prune.arch import HeadAdapter
 from sinv_prune.arch.base import head_rows
+from sinv_prune.surgery.offload import compute_device
 
 
 @dataclass
@@ -74,7 +75,7 @@ def head_cuts(
     cuts = {}
     for layer, (removed, keep_q, _) in plan.items():
         consumer, layout = adapter.out_proj(layer), adapter.layout(layer)
-        device, head_dim = consumer.weight.device, layout.head_dim
+        device, head_dim = compute_device(consumer), layout.head_dim
         columns = [head_rows(torch.tensor(h, dtype=torch.long, device=device), head_dim) for h in (keep_q, removed)]
         group = layout.group_size
         lost = [sum(1 for h in removed if h // group == kv) for kv in range(layout.num_kv_heads)]
@@ -108,7 +109,7 @@ def mlp_cuts(
     cuts = {}
     for layer, (removed, keep) in plan.items():
         consumer = adapter.mlp_out(layer)
-        device = consumer.weight.device
+        device = compute_device(consumer)
         columns = [torch.tensor(c, dtype=torch.long, device=device) for c in (keep, removed)]
         quotas = [(list(range(len(keep) + len(removed))), len(removed))]
         pick = None if choose is None else (lambda units, layer=layer: choose(layer, units))
