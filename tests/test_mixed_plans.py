@@ -236,7 +236,11 @@ def plans(draw, model, uniform: bool, keep_layers: int = 1) -> dict:
     among the blocks that stay; at least ``keep_layers`` blocks stay."""
     adapter = get_adapter(model)
     n = adapter.num_layers
-    dropped = sorted(draw(st.sets(st.integers(0, n - 1), max_size=n - keep_layers), label="layers"))
+    first = n > keep_layers and choose(draw)  # True in the simplest draw: block 0 goes, every later one renumbers
+    rest = (
+        draw(st.sets(st.integers(1, n - 1), max_size=n - keep_layers - first), label="other blocks") if n > 1 else set()
+    )
+    dropped = sorted(rest | ({0} if first else set()))
     kept = [layer for layer in range(n) if layer not in dropped]
     plan = {
         "layers": dropped,
@@ -315,8 +319,9 @@ def outputs(model, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
 
 def expected(model, plan: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """What the pruned ``model`` must return: the reference's logits and language-model loss; with
-    ``output_router_logits`` and one kept expert count in every MoE layer, plus the load-balancing loss of the
-    kept experts' router logits (uneven counts: sinv_prune turns that loss off, transformers cannot stack them)."""
+    ``output_router_logits``, plus the load-balancing loss (transformers' formula) of the kept experts' router
+    logits, each layer's padded with never-chosen experts (-inf) to the largest kept count (sinv_prune's rule for
+    uneven counts; a uniform cut needs no padding). No MoE layer left: no load-balancing loss."""
     adapter = get_adapter(model)
     ref = zeroed(model, plan)
     if not has_experts(model):
@@ -329,15 +334,20 @@ def expected(model, plan: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     ]
     with masked_routers(ref, experts):
         logits, lm, _ = outputs(ref, output_router_logits=False)
-        if not ref.config.output_router_logits or len({len(k) for k in kept}) != 1:
-            return logits, lm, None  # no MoE layer left, or uneven counts: no load-balancing loss
+        if not ref.config.output_router_logits or not kept:
+            return logits, lm, None  # no MoE layer left: sinv_prune turns the load-balancing loss off
         with torch.no_grad():
             recorded = ref(input_ids=INPUTS["input_ids"], attention_mask=INPUTS["attention_mask"],
                            output_router_logits=True).router_logits  # fmt: skip
     assert len(recorded) == len(kept)  # one router per MoE block that runs
+    # each layer's kept experts, padded with never-chosen ones (-inf) to the largest kept count
+    most = max(map(len, kept))
+    logits_kept = tuple(
+        torch.cat([r[:, k], r.new_full((r.shape[0], most - len(k)), float("-inf"))], dim=1)
+        for r, k in zip(recorded, kept, strict=True)
+    )
     balance = sys.modules[base_class(type(ref)).__module__].load_balancing_loss_func  # the family's own
-    aux = balance(tuple(r[:, k] for r, k in zip(recorded, kept, strict=True)), len(kept[0]),
-                  ref.config.num_experts_per_tok, INPUTS["attention_mask"])  # fmt: skip
+    aux = balance(logits_kept, most, ref.config.num_experts_per_tok, INPUTS["attention_mask"])
     return logits, lm + ref.config.router_aux_loss_coef * aux, aux
 
 
