@@ -8,6 +8,13 @@ the family does, which is exactly what the sliced router computes). Nothing is s
 one candidate to the next rewrites only the layers that differ. :class:`Candidates` is a context
 manager: on exit every consumer gets its own parameters back, every block its forward and every
 router its own output.
+
+The fitness forward starts where the candidate first differs from the one measured before it: every
+block's output over the fitness batches is kept on the host for the last candidate measured (at first
+the unpruned model), and the blocks before the first layer whose cut differs return those outputs
+instead of computing (the model's own forward still runs the embeddings, the later blocks and the head).
+A child of the search differs from the candidate before it in a few layers, so on average about half the
+blocks run. Kept: ``layers x fitness tokens x hidden`` in the model's dtype.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ class Candidates:
         self._applied: dict[tuple[str, int], tuple] = {}
         self._dropped: set[int] = set()
         self.reference: list[torch.Tensor] = []
+        self._anchor: list[tuple] = []  # per layer the cut of the candidate whose block outputs are kept
+        self._outputs: list[list[torch.Tensor]] = []  # [batch][layer] that candidate's block outputs (host)
+        #: Blocks run by the fitness forwards so far, and blocks a full forward each time would have run.
+        self.blocks_run, self.blocks_total = 0, 0
         self._modes = None
         self._gates_context = None
         self._gates: list[torch.Tensor] = []  # per layer the expert gates (1 kept, 0 removed; empty: dense)
@@ -56,7 +67,8 @@ class Candidates:
         self._gates = self._gates_context.__enter__()
         self.model.eval()
         with torch.no_grad():
-            self.reference = [torch.log_softmax(self.logits(b), -1) for b in self.batches]
+            self.reference = [torch.log_softmax(self._fitness_logits(b, j), -1) for j, b in enumerate(self.batches)]
+        self._anchor = self._cut()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -65,7 +77,7 @@ class Candidates:
         finally:
             self._gates_context.__exit__(*exc)
             self._gates = []
-            self.reference = []
+            self.reference, self._outputs, self._anchor = [], [], []
             self._modes.__exit__(*exc)
 
     def reset(self) -> None:
@@ -131,11 +143,67 @@ class Candidates:
     def kl(self, genome: Genome) -> float:
         """Mean per-token KL(unpruned || candidate) over the fitness batches."""
         self.apply(genome)
+        cut = self._cut()
+        first = next((i for i, (a, b) in enumerate(zip(self._anchor, cut, strict=True)) if a != b), len(cut))
         total, count = 0.0, 0
         with torch.no_grad():
-            for ref, ids in zip(self.reference, self.batches, strict=True):
-                logp = torch.log_softmax(self.logits(ids), -1)
+            for j, (ref, ids) in enumerate(zip(self.reference, self.batches, strict=True)):
+                logp = torch.log_softmax(self._fitness_logits(ids, j, first), -1)
                 kl = (ref.exp() * (ref - logp)).sum(-1)
                 total += float(kl.sum())
                 count += kl.numel()
+        self._anchor = cut
         return total / max(count, 1)
+
+    def _cut(self) -> list[tuple]:
+        """Per layer what the applied candidate changes there (the block's output depends on nothing else)."""
+        out = []
+        for layer in range(self.adapter.num_layers):
+            gate = self._gates[layer] if layer < len(self._gates) else None
+            closed = () if gate is None or not gate.numel() else tuple((gate == 0).nonzero().flatten().tolist())
+            out.append((layer in self._dropped, self._applied.get((HEADS.name, layer), ()),
+                        self._applied.get((MLP.name, layer), ()), closed))  # fmt: skip
+        return out
+
+    def _fitness_logits(self, ids: torch.Tensor, batch: int, first: int = 0) -> torch.Tensor:
+        """Logits of fitness batch ``batch``: blocks before ``first`` give the kept outputs, the rest run (and
+        their outputs are kept for the next candidate)."""
+        blocks = self.adapter.layers()
+        kept = self._outputs[batch] if batch < len(self._outputs) else None
+        first = first if kept is not None else 0
+        if kept is None:
+            kept = [None] * len(blocks)
+            self._outputs.append(kept)
+        saved = [vars(block).get("forward") for block in blocks[:first]]
+        for i in range(first):
+            blocks[i].forward = _passthrough if i < first - 1 else _returning(kept[i])
+        hooks = [blocks[i].register_forward_hook(_keeper(kept, i)) for i in range(first, len(blocks))]
+        try:
+            logits = self.logits(ids)
+        finally:
+            for h in hooks:
+                h.remove()
+            for block, forward in zip(blocks, saved, strict=False):
+                del block.forward
+                if forward is not None:
+                    block.forward = forward
+        self.blocks_run += len(blocks) - first
+        self.blocks_total += len(blocks)
+        return logits
+
+
+def _returning(output: torch.Tensor):
+    """A block forward that returns ``output`` (kept on the host) on its input's device."""
+
+    def forward(*args, **kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return output.to(hidden.device, copy=True)  # a copy: the model may add to it in place
+
+    return forward
+
+
+def _keeper(kept: list, index: int):
+    def hook(module, args, output):
+        kept[index] = (output[0] if isinstance(output, tuple) else output).detach().to("cpu", copy=True)
+
+    return hook

@@ -269,6 +269,7 @@ def shrink(
         refits = {key: picks.refit(*key, removed) for key, removed in cuts.items()}
         fallbacks = sorted(key for key, removed in cuts.items() if picks.fell_back(*key, removed))
         cand.reset()
+        blocks_run = round(cand.blocks_run / max(cand.blocks_total, 1), 3)  # share of the fitness forwards' blocks
     built = "per-layer refit"
     summary = None
     if refine:
@@ -304,7 +305,8 @@ def shrink(
         stock=stock, seed=seed, record_stock=record_stock, built=built, fallbacks=fallbacks,
         settings={"units": list(units), "multiple": multiple, "min_mlp": min_mlp, "sequences": len(seqs),
                   "length": length, "holdout": holdout, "fitness_tokens": int(fit_batch.numel()),
-                  "heldout_tokens": sum(s.numel() for s in held_seqs), "time_limit": time_limit},
+                  "heldout_tokens": sum(s.numel() for s in held_seqs), "time_limit": time_limit,
+                  "fitness_blocks_run": blocks_run},
     )  # fmt: skip
     result.summary = summary  # the removal's PruneSummary (not fields: to_dict leaves them out)
     result.statistics = stats if keep_statistics else None
