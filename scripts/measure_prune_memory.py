@@ -102,8 +102,11 @@ def main() -> None:
                        "--method", args.method, "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
                        "--sequences", str(args.sequences), "--tokens", str(args.tokens),
                        "--threads", str(args.threads)]  # fmt: skip
-            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            print(out.strip().splitlines()[-1], flush=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                print(json.dumps({"layers": layers, "store": store, "error": done.stderr.strip()[-2000:]}), flush=True)
+                continue
+            print(done.stdout.strip().splitlines()[-1], flush=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ CASES = [
     ("llama", "activation", "mlp", {"metric": "magnitude"}),
     ("llama", "block_influence", "layers", {}),
     ("qwen3_moe", "frequency", "experts", {}),
-    ("qwen3_moe", "reap", "experts", {}),
+    ("qwen3_moe", "reap", "experts", {}),  # renormalised: the tiny Qwen3-MoE sets norm_topk_prob
+    ("qwen3_moe", "reap", "experts", {"renormalize": False}),
     ("qwen3_moe", "ean", "experts", {}),
     ("qwen3_moe", "activation", "heads", {}),
     ("qwen3_moe", "block_influence", "layers", {}),

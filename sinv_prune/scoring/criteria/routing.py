@@ -195,6 +195,10 @@ class ReapCriterion(RoutingCriterion):
         self.renormalize = default_renormalize(model) if self.option is None else self.option
         super().update(model, batch)
 
+    def update_layers(self, model: nn.Module, batches: list[Mapping[str, Any]]) -> None:
+        self.renormalize = default_renormalize(model) if self.option is None else self.option
+        super().update_layers(model, batches)
+
     def report(self) -> dict:
         gate = "softmax probability / its sum over the top k" if self.renormalize else "softmax probability"
         return {**super().report(), "gate": gate}
