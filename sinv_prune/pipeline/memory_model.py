@@ -330,12 +330,13 @@ def fits(pred: Prediction, device_free: int | None, host_free: int | None) -> bo
 
 
 def refusal(shape: Shape, task: str, device_free: int | None, host_free: int | None, *,
-            sequences_option: str = "--sequences", **options) -> str | None:  # fmt: skip
+            sequences_option: str = "--sequences {} or fewer", offload_option: str = "--offload {}",
+            **options) -> str | None:  # fmt: skip
     """``None`` where the run fits; else one line: the predicted peak, what is free, the option that would fit.
 
     ``options`` are :func:`predict`'s; the alternatives tried in order: ``--offload cpu``, ``--offload disk``,
-    then fewer calibration sequences (halved down to 2; ``sequences_option`` names the option) with the
-    last offload tried.
+    then fewer calibration sequences (halved down to 2; ``sequences_option`` says how, ``{}`` the count) with the
+    last offload tried (``offload_option``: how the option is written, ``{}`` the mode).
     """
     pred = predict(shape, task, **options)
     if fits(pred, device_free, host_free):
@@ -351,15 +352,15 @@ def refusal(shape: Shape, task: str, device_free: int | None, host_free: int | N
     for other in tries:
         alt = predict(shape, task, **{**options, "offload": other})
         if fits(alt, device_free, host_free):
-            return f"{head}: use --offload {other} (predicted {gib(_binding(alt))})"
+            return f"{head}: use {offload_option.format(other)} (predicted {gib(_binding(alt))})"
     best = tries[-1] if tries else offload
     sequences = options["sequences"]
     while sequences > 2:
         sequences = max(2, sequences // 2)
         alt = predict(shape, task, **{**options, "offload": best, "sequences": sequences})
         if fits(alt, device_free, host_free):
-            flag = f"--offload {best} and " if best != offload else ""
-            return f"{head}: use {flag}{sequences_option} {sequences} or fewer (predicted {gib(_binding(alt))})"
+            flag = f"{offload_option.format(best)} and " if best != offload else ""
+            return f"{head}: use {flag}{sequences_option.format(sequences)} (predicted {gib(_binding(alt))})"
     return f"{head}: no offload or calibration size fits; use a device with more memory"
 
 
@@ -367,8 +368,8 @@ def _binding(pred: Prediction) -> int:
     return pred.host_peak if pred.on_cpu else pred.device_peak
 
 
-def dry_run_check(shape: Shape, task: str, device: str, *, sequences_option: str = "--sequences",
-                  **options) -> tuple[list[str], str | None]:  # fmt: skip
+def dry_run_check(shape: Shape, task: str, device: str, *, sequences_option: str = "--sequences {} or fewer",
+                  offload_option: str = "--offload {}", **options) -> tuple[list[str], str | None]:  # fmt: skip
     """The dry run's lines and the refusal (or None), with the memory free now on ``device`` and the host."""
     pred = predict(shape, task, device=device, **options)
     device_free, host_free = available_memory(device)
@@ -379,4 +380,4 @@ def dry_run_check(shape: Shape, task: str, device: str, *, sequences_option: str
     if free:
         lines.append("memory now: " + ", ".join(free))
     return lines, refusal(shape, task, device_free, host_free, device=device, sequences_option=sequences_option,
-                          **options)  # fmt: skip
+                          offload_option=offload_option, **options)  # fmt: skip
