@@ -125,10 +125,7 @@ def shape_of_model(model, dtype_bytes: int | None = None) -> Shape:
     for i in range(n):
         count = adapter.num_experts(i)
         if count:
-            block = adapter.moe_block(i)
-            down = block.experts.down_proj
-            width = min(down.shape[-2:]) if down.dim() == 3 else down.shape[-1]
-            experts.append((count, int(width), int(adapter.top_k())))
+            experts.append((count, int(adapter.expert_width(i)), int(adapter.top_k())))
             intermediate.append(0)
         else:
             experts.append((0, 0, 0))
