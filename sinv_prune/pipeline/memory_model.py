@@ -15,7 +15,8 @@ down projection (in = intermediate); ``L`` layers):
 * ``statistics`` (shrink): ``2 x s x sum_c ((in+b)^2 + (in+b) out)`` per layer (``b`` 1 where the consumer
   has a bias; fit and held-out Grams and cross products), kept for every layer: on the host (layer-wise; on
   disk with ``offload="disk"``, one layer in memory) or on the weights' device (whole-model, float64).
-  Compensation holds one consumer's at a time.
+  Layer-wise compensation holds one layer's at a time; the whole-model one was measured to keep every
+  layer's (its peak grows by one layer's float64 statistics a layer: ``scripts/bench_memory.py``).
 * ``solve``: an OBS / refit solve on the widest consumer: 3 float64 ``in x in`` matrices (Gram, its factor,
   the inverse) on the device.
 * ``hidden``: the calibration hidden states on the host, ``copies x T x h x a`` (2 for statistics and criteria:
@@ -24,6 +25,7 @@ down projection (in = intermediate); ``L`` layers):
   ``I_active`` the dense intermediate width or ``top_k x`` the expert width (a routing criterion recomputes the
   routed experts' outputs in float32: ``+ b x length x top_k x (2 I_e + h) x 4``), plus a candidate's logits
   for shrink's fitness (``2 x fitness tokens x vocab x 4``, the reference and the candidate).
+* ``runtime``: :data:`RUNTIME_BYTES` on the host.
 * ``weights kept``: what grows with depth by design: shrink's candidate and cached refit weights and
   compensation's undo copies, ``2 x sum over layers and consumers of in x out x a`` (shrink) or ``1 x``
   (compensation).
@@ -44,6 +46,9 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 TASKS = ("shrink", "compensate", "criterion", "plain")
 OFFLOADS = ("none", "cpu", "disk")
 GIB = 1 << 30
+#: What a run's process adds whatever the model: kernels' first use, lazily imported modules, allocator pools.
+#: ``scripts/bench_memory.py --quick`` (hidden 64) measured 29-46 MiB here; this is the round middle.
+RUNTIME_BYTES = 40 << 20
 
 
 @dataclass
@@ -270,8 +275,11 @@ def predict(
             stats_where["statistics"] = stats_all
         if layerwise:
             device_terms["statistics (one layer)"] = stats_one
-    elif task == "compensate":
+    elif task == "compensate" and layerwise:
         device_terms["statistics (one layer)"] = stats_one
+    elif task == "compensate":  # measured: the whole-model pass's peak grows by one layer's statistics a layer
+        device_terms["statistics"] = stats_all
+    host_terms["runtime"] = RUNTIME_BYTES
     if layerwise:
         host_terms["hidden states"] = hidden
     else:
