@@ -243,6 +243,7 @@ def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str
             what = f"shrink {size} over {over}{', stock shapes' if a.stock else ''}, {a.budget} plans"
         click.echo(f"  arm {arm.label}: {what}")
     _print_estimate(recipe, device, config_s, threads)
+    _print_memory(recipe, device)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         click.echo(f"warning: {output} exists; the run needs --overwrite (start again) or --resume (continue it)")
 
@@ -269,6 +270,25 @@ def _print_estimate(recipe, device: str | None, config_s: float, threads: int | 
     click.echo(estimate_table(estimate_stages(recipe, probe, tokens), probe))
     if not tokens:
         click.echo("note: the corpus (a Hub dataset) is not read before the run: stages sized by it count as empty")
+
+
+def _print_memory(recipe, device: str | None) -> None:
+    """The prune stage's predicted peak memory (:mod:`sinv_prune.pipeline.memory_model`); a run that will not fit
+    the device is refused (exit 2) in one line naming the setting that would."""
+    import torch
+
+    from sinv_prune.pipeline.estimate import memory_check
+
+    device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        lines, refused = memory_check(recipe, device)
+    except Exception as err:  # noqa: BLE001  (an architecture the memory model cannot read: the dry run goes on)
+        click.echo(f"warning: no memory estimate: {_one_line(err)}")
+        return
+    for line in lines:
+        click.echo(line)
+    if refused:
+        raise UsageError(refused)
 
 
 def _run(recipe, output: Path, *, verbose: bool = False, **kwargs) -> None:

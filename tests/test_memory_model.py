@@ -71,10 +71,18 @@ def test_offload_moves_the_model_off_the_device_and_the_refusal_names_what_fits(
     # the host cannot hold the statistics: disk
     line = memory_model.refusal(shape, "shrink", cpu.device_peak, disk.host_peak, offload="cpu", **opts)
     assert "--offload disk" in line
-    # nothing offloads below one block's work: fewer sequences, where they help
-    line = memory_model.refusal(shape, "shrink", disk.device_peak - 1, 1 << 40, offload="disk",
-                                sequences_option="--calib-sequences", **{**opts, "sequences": 64})  # fmt: skip
-    assert "fewer" in line or "no offload" in line
+    # disk offload's host peak is the hidden states and one layer's statistics: fewer sequences, where they help
+    many = memory_model.predict(shape, "shrink", **{**opts, "sequences": 64, "offload": "disk"})
+    fewer = "--calib-sequences {} or fewer"
+    line = memory_model.refusal(shape, "shrink", 1 << 40, many.host_peak - 1, offload="disk",
+                                sequences_option=fewer, **{**opts, "sequences": 64})  # fmt: skip
+    assert "--calib-sequences 32 or fewer" in line
+    smaller = memory_model.predict(shape, "shrink", **{**opts, "sequences": 32, "offload": "disk"})
+    assert smaller.host_terms["hidden states"] * 2 == many.host_terms["hidden states"]
+    # the device's share does not depend on the sequences: nothing fits
+    line = memory_model.refusal(shape, "shrink", many.device_peak - 1, 1 << 40, offload="disk",
+                                sequences_option=fewer, **{**opts, "sequences": 64})  # fmt: skip
+    assert "no offload or calibration size fits" in line
 
 
 @pytest.fixture
@@ -130,7 +138,8 @@ def test_prune_dry_run_and_refusal(saved, tmp_path, monkeypatch):
     _no_load(monkeypatch)
     shape = memory_model.shape_of_source(str(source))
     plain = memory_model.predict(shape, "plain", sequences=0, length=0)
-    assert plain.host_peak == shape.model_bytes + max(shape.block_bytes)  # the model and one layer's new weights
+    # the model, one layer's new weights, the process's fixed share
+    assert plain.host_peak == shape.model_bytes + max(shape.block_bytes) + memory_model.RUNTIME_BYTES
     args = [str(a) for a in ["prune", source, tmp_path / "out", "--heads", "0:1", "--dry-run"]]
     monkeypatch.setattr(memory_model, "_host_available", lambda: 1 << 40)
     done = CliRunner().invoke(main, args)
@@ -138,3 +147,27 @@ def test_prune_dry_run_and_refusal(saved, tmp_path, monkeypatch):
     monkeypatch.setattr(memory_model, "_host_available", lambda: plain.host_peak - 1)
     done = CliRunner().invoke(main, args[:-1])
     assert done.exit_code == 2 and "predicted peak memory" in done.output, done.output
+
+
+def test_a_recipe_dry_run_prints_the_prune_stage_memory_and_refuses_what_does_not_fit(tmp_path, monkeypatch):
+    from test_pipeline import TINY, invoke, recipe_file
+
+    from sinv_prune.pipeline import estimate
+    from sinv_prune.pipeline.recipe import validate_recipe
+
+    spec = {**TINY, "name": "auto", "prune": {"arms": [{"auto": {"params": 0.2, "budget": 4, "batches": 8}},
+                                                         {"criterion": "magnitude", "amount": 2}]}}  # fmt: skip
+    path = recipe_file(tmp_path, spec)
+    monkeypatch.setattr(estimate, "run_probe", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no probe")))
+    monkeypatch.setattr(memory_model, "_host_available", lambda: 1 << 40)
+    done = invoke(path, "--dry-run", "--device", "cpu")
+    assert done.exit_code == 0, done.output
+    assert "prune stage, memory of arm auto-p0.2 (shrink, the largest):" in done.output
+    # the auto arm's shrink, as the memory model predicts it from the recipe's own model
+    label, task, pred, flag, _ = estimate.prune_memory(validate_recipe(spec), "cpu")
+    assert (label, task, flag) == ("auto-p0.2", "shrink", "auto.batches")
+    assert f"predicted peak host memory: {memory_model.gib(pred.host_peak)}" in done.output
+    monkeypatch.setattr(memory_model, "_host_available", lambda: pred.host_peak - 1)
+    done = invoke(path, "--dry-run", "--device", "cpu")
+    assert done.exit_code == 2, done.output
+    assert "predicted peak memory" in done.output and "--set model.offload=disk" in done.output

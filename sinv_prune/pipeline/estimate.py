@@ -638,3 +638,70 @@ def estimate_table(rows: list[Row], probe: Probe) -> str:
     lines += [f"  {r.stage:<{width}}  {format_seconds(r.seconds):>8}  {r.what}" for r in rows]
     lines.append(f"  {'total':<{width}}  {format_seconds(sum(r.seconds for r in rows)):>8}")
     return "\n".join(lines)
+
+
+# -- memory (the prune stage's peak, from the memory model) -------------------------------------
+
+
+def prune_memory(recipe: Recipe, device: str):
+    """The prune stage's predicted peak: ``(arm label, task, Prediction, sequences option)`` of the arm that needs
+    most on the binding memory (the device; the host on the CPU), or None for a recipe that prunes nothing.
+
+    Per arm: an ``auto`` arm is a shrink (``auto.batches`` sequences of ``data.seq_len``); ``compensate`` a
+    compensation pass (``batches x batch_size`` sequences); a part whose criterion reads calibration data a
+    criterion pass (``score.batches x score.batch_size``; ``taylor``'s backward through the whole model is
+    counted as one block's, so its estimate is low); anything else a plain removal.
+    """
+    from sinv_prune.pipeline import memory_model
+    from sinv_prune.pipeline.starting_model import starting_config
+    from sinv_prune.scoring.criteria.registry import criterion_class
+
+    config, cls = starting_config(recipe)
+    shape = memory_model.shape_of(config, cls, _dtype(recipe, config))
+    length = recipe.data.seq_len
+    offload = getattr(recipe.model, "offload", None) or "none"
+    best = None
+    for arm in recipe.prune.arms:
+        if arm.control:
+            continue
+        if arm.auto is not None:
+            task, options, flag = "shrink", {"sequences": arm.auto.batches}, "auto.batches"
+        elif arm.compensate is not None:
+            c = arm.compensate
+            task, options, flag = (
+                "compensate",
+                {"sequences": c.batches * c.batch_size, "batch": c.batch_size},
+                ("compensate.batches"),
+            )
+        elif any(getattr(criterion_class(p.criterion), "needs_data", False) for p in arm.part_specs):
+            s = recipe.score
+            task, options, flag = (
+                "criterion",
+                {"sequences": s.batches * s.batch_size, "batch": s.batch_size},
+                ("score.batches"),
+            )
+        else:
+            task, options, flag = "plain", {"sequences": 0}, "score.batches"
+        pred = memory_model.predict(shape, task, length=length, device=device, offload=offload, **options)
+        key = pred.host_peak if pred.on_cpu else pred.device_peak
+        if best is None or key > best[0]:
+            best = (key, arm.label, task, pred, flag, options)
+    if best is None:
+        return None
+    _, label, task, pred, flag, options = best
+    return label, task, pred, flag, {"shape": shape, "length": length, "offload": offload, **options}
+
+
+def memory_check(recipe: Recipe, device: str) -> tuple[list[str], str | None]:
+    """The dry run's memory lines for the prune stage and the one-line refusal (None: it fits)."""
+    from sinv_prune.pipeline import memory_model
+
+    found = prune_memory(recipe, device)
+    if found is None:
+        return [], None
+    label, task, pred, flag, options = found
+    shape = options.pop("shape")
+    fewer = f"at most {{}} calibration sequences in arm {label} ({flag})"
+    lines, refused = memory_model.dry_run_check(shape, task, device, sequences_option=fewer,
+                                                offload_option="--set model.offload={}", **options)  # fmt: skip
+    return [f"prune stage, memory of arm {label} ({task}, the largest):", *lines], refused

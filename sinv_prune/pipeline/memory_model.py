@@ -15,7 +15,8 @@ down projection (in = intermediate); ``L`` layers):
 * ``statistics`` (shrink): ``2 x s x sum_c ((in+b)^2 + (in+b) out)`` per layer (``b`` 1 where the consumer
   has a bias; fit and held-out Grams and cross products), kept for every layer: on the host (layer-wise; on
   disk with ``offload="disk"``, one layer in memory) or on the weights' device (whole-model, float64).
-  Compensation holds one consumer's at a time.
+  Layer-wise compensation holds one layer's at a time; the whole-model one was measured to keep every
+  layer's (its peak grows by one layer's float64 statistics a layer: ``scripts/bench_memory.py``).
 * ``solve``: an OBS / refit solve on the widest consumer: 3 float64 ``in x in`` matrices (Gram, its factor,
   the inverse) on the device.
 * ``hidden``: the calibration hidden states on the host, ``copies x T x h x a`` (2 for statistics and criteria:
@@ -24,6 +25,7 @@ down projection (in = intermediate); ``L`` layers):
   ``I_active`` the dense intermediate width or ``top_k x`` the expert width (a routing criterion recomputes the
   routed experts' outputs in float32: ``+ b x length x top_k x (2 I_e + h) x 4``), plus a candidate's logits
   for shrink's fitness (``2 x fitness tokens x vocab x 4``, the reference and the candidate).
+* ``runtime``: :data:`RUNTIME_BYTES` on the host.
 * ``weights kept``: what grows with depth by design: shrink's candidate and cached refit weights and
   compensation's undo copies, ``2 x sum over layers and consumers of in x out x a`` (shrink) or ``1 x``
   (compensation).
@@ -44,6 +46,9 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 TASKS = ("shrink", "compensate", "criterion", "plain")
 OFFLOADS = ("none", "cpu", "disk")
 GIB = 1 << 30
+#: What a run's process adds whatever the model: kernels' first use, lazily imported modules, allocator pools.
+#: ``scripts/bench_memory.py --quick`` (hidden 64) measured 29-46 MiB here; this is the round middle.
+RUNTIME_BYTES = 40 << 20
 
 
 @dataclass
@@ -125,10 +130,7 @@ def shape_of_model(model, dtype_bytes: int | None = None) -> Shape:
     for i in range(n):
         count = adapter.num_experts(i)
         if count:
-            block = adapter.moe_block(i)
-            down = block.experts.down_proj
-            width = min(down.shape[-2:]) if down.dim() == 3 else down.shape[-1]
-            experts.append((count, int(width), int(adapter.top_k())))
+            experts.append((count, int(adapter.expert_width(i)), int(adapter.top_k())))
             intermediate.append(0)
         else:
             experts.append((0, 0, 0))
@@ -273,8 +275,11 @@ def predict(
             stats_where["statistics"] = stats_all
         if layerwise:
             device_terms["statistics (one layer)"] = stats_one
-    elif task == "compensate":
+    elif task == "compensate" and layerwise:
         device_terms["statistics (one layer)"] = stats_one
+    elif task == "compensate":  # measured: the whole-model pass's peak grows by one layer's statistics a layer
+        device_terms["statistics"] = stats_all
+    host_terms["runtime"] = RUNTIME_BYTES
     if layerwise:
         host_terms["hidden states"] = hidden
     else:
@@ -330,12 +335,13 @@ def fits(pred: Prediction, device_free: int | None, host_free: int | None) -> bo
 
 
 def refusal(shape: Shape, task: str, device_free: int | None, host_free: int | None, *,
-            sequences_option: str = "--sequences", **options) -> str | None:  # fmt: skip
+            sequences_option: str = "--sequences {} or fewer", offload_option: str = "--offload {}",
+            **options) -> str | None:  # fmt: skip
     """``None`` where the run fits; else one line: the predicted peak, what is free, the option that would fit.
 
     ``options`` are :func:`predict`'s; the alternatives tried in order: ``--offload cpu``, ``--offload disk``,
-    then fewer calibration sequences (halved down to 2; ``sequences_option`` names the option) with the
-    last offload tried.
+    then fewer calibration sequences (halved down to 2; ``sequences_option`` says how, ``{}`` the count) with the
+    last offload tried (``offload_option``: how the option is written, ``{}`` the mode).
     """
     pred = predict(shape, task, **options)
     if fits(pred, device_free, host_free):
@@ -351,15 +357,15 @@ def refusal(shape: Shape, task: str, device_free: int | None, host_free: int | N
     for other in tries:
         alt = predict(shape, task, **{**options, "offload": other})
         if fits(alt, device_free, host_free):
-            return f"{head}: use --offload {other} (predicted {gib(_binding(alt))})"
+            return f"{head}: use {offload_option.format(other)} (predicted {gib(_binding(alt))})"
     best = tries[-1] if tries else offload
     sequences = options["sequences"]
     while sequences > 2:
         sequences = max(2, sequences // 2)
         alt = predict(shape, task, **{**options, "offload": best, "sequences": sequences})
         if fits(alt, device_free, host_free):
-            flag = f"--offload {best} and " if best != offload else ""
-            return f"{head}: use {flag}{sequences_option} {sequences} or fewer (predicted {gib(_binding(alt))})"
+            flag = f"{offload_option.format(best)} and " if best != offload else ""
+            return f"{head}: use {flag}{sequences_option.format(sequences)} (predicted {gib(_binding(alt))})"
     return f"{head}: no offload or calibration size fits; use a device with more memory"
 
 
@@ -367,8 +373,8 @@ def _binding(pred: Prediction) -> int:
     return pred.host_peak if pred.on_cpu else pred.device_peak
 
 
-def dry_run_check(shape: Shape, task: str, device: str, *, sequences_option: str = "--sequences",
-                  **options) -> tuple[list[str], str | None]:  # fmt: skip
+def dry_run_check(shape: Shape, task: str, device: str, *, sequences_option: str = "--sequences {} or fewer",
+                  offload_option: str = "--offload {}", **options) -> tuple[list[str], str | None]:  # fmt: skip
     """The dry run's lines and the refusal (or None), with the memory free now on ``device`` and the host."""
     pred = predict(shape, task, device=device, **options)
     device_free, host_free = available_memory(device)
@@ -379,4 +385,4 @@ def dry_run_check(shape: Shape, task: str, device: str, *, sequences_option: str
     if free:
         lines.append("memory now: " + ", ".join(free))
     return lines, refusal(shape, task, device_free, host_free, device=device, sequences_option=sequences_option,
-                          **options)  # fmt: skip
+                          offload_option=offload_option, **options)  # fmt: skip
