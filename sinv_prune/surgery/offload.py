@@ -293,6 +293,9 @@ def onloaded(module: nn.Module, root: nn.Module | None = None) -> Iterator[nn.Mo
             if h is not None and id(m) not in seen and h.place_submodules and any(s is module for s in m.modules()):
                 owners.append((m, h))
     if not owners:
+        if any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers())):
+            raise ValueError(f"cannot bring {type(module).__name__} in: a hook above it offloads its weights; "
+                             "offload whole blocks or smaller modules (a device_map down to the blocks)")  # fmt: skip
         yield module
         return
     brought: list[tuple[nn.Module, Any, dict[str, torch.Tensor]]] = []
