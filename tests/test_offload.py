@@ -134,6 +134,7 @@ def test_prune_offload_argument_and_device_map(tmp_path):
     sinv_prune.prune(model, PLAN_LLAMA, offload="disk", offload_folder=tmp_path / "f")
     assert all(p.device.type == "meta" for p in model.model.layers.parameters())
     assert model.model.embed_tokens.weight.device.type == "cpu"
+    assert list((tmp_path / "f" / "sinv_prune_cuts").glob("*.safetensors"))  # the cut blocks, in new files
     assert_same(model, reference, model_inputs(), tmp_path)
     with pytest.raises(ValueError, match="offload must be one of none, cpu, disk"):
         sinv_prune.prune(copy.deepcopy(base), PLAN_LLAMA, offload="gpu")
