@@ -204,3 +204,26 @@ def test_recipe_device_map_that_offloads_is_still_refused(tmp_path):
     model = offloaded(tiny_model("llama"), "disk", tmp_path)
     assert "it offloads weights" in unloadable_reason(model)
     assert unloadable_reason(tiny_model("llama")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+def test_offload_next_to_a_gpu_keeps_the_blocks_off_it(mode, tmp_path):
+    """On a GPU, only the embeddings, norm and head live there; the blocks come for their turn and go back."""
+    base = tiny_model("llama")
+    reference = copy.deepcopy(base)
+    model = copy.deepcopy(base).cuda()
+    folder = tmp_path / "f" if mode == "disk" else None
+    sinv_prune.prune(reference, PLAN_LLAMA)
+    sinv_prune.prune(model, PLAN_LLAMA, offload=mode, offload_folder=folder)
+    assert all(p.device.type == "meta" for p in model.model.layers.parameters())
+    assert model.model.embed_tokens.weight.device.type == "cuda"
+    inputs = model_inputs()
+    got = model_output(model, {k: v.cuda() for k, v in inputs.items()}).cpu()
+    torch.testing.assert_close(got, model_output(reference, inputs), atol=1e-4, rtol=1e-4)
+    base.save_pretrained(tmp_path / "src")
+    again = tmp_path / "g" if mode == "disk" else None
+    loaded = sinv_prune.from_pretrained(tmp_path / "src", offload=mode, offload_folder=again)
+    assert all(p.device.type == "meta" for p in loaded.model.layers.parameters())
+    assert loaded.model.embed_tokens.weight.device.type == "cuda"

@@ -404,6 +404,9 @@ def apply_offload(
 
     device_map = offload_device_map(model, mode, device)
     kwargs: dict[str, Any] = {"main_device": _map_value(device)}
+    if mode == "cpu":  # the blocks' weights in host RAM, wherever they are now (dispatch_model keeps them in place)
+        blocks = tuple(f"{name}." for name, where in device_map.items() if where == "cpu")
+        kwargs["state_dict"] = {k: v.to("cpu") for k, v in model.state_dict().items() if k.startswith(blocks)}
     if mode == "disk":
         kwargs["offload_dir"] = _new_folder(folder)
     skip = getattr(model, "_skip_keys_device_placement", None)
