@@ -72,6 +72,9 @@ def test_offloaded_llama_prunes_like_in_memory(how, tmp_path):
     summary = sinv_prune.prune(model, PLAN_LLAMA)
     assert summary.params_after == sinv_prune.count_parameters(reference)
     assert any(p.device.type == "meta" for p in model.parameters())  # still offloaded after the cut
+    again = {"heads": {0: [0, 2]}, "layers": [1]}  # pruning composes: current numbering, blocks renumbered
+    sinv_prune.prune(reference, again)
+    sinv_prune.prune(model, again)
     assert_same(model, reference, model_inputs(), tmp_path)
 
 
