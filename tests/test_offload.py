@@ -173,6 +173,17 @@ def test_from_pretrained_offloaded_loads_blocks_off_the_device(mode, tmp_path):
     assert_same(model, reference, inputs, tmp_path)
 
 
+def test_from_pretrained_passes_a_device_map_and_its_offload_folder_to_transformers(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "src")
+    device_map = {name: "cpu" for name in ("model.embed_tokens", "model.layers.0", "model.layers.2", "model.norm",
+                                           "model.rotary_emb", "lm_head")}  # fmt: skip
+    device_map["model.layers.1"] = "disk"
+    model = sinv_prune.from_pretrained(tmp_path / "src", device_map=device_map, offload_folder=tmp_path / "off")
+    assert model.model.layers[1].mlp.up_proj.weight.device.type == "meta" and is_offloaded(model)
+    with pytest.raises(ValueError, match="do not also give device_map"):
+        sinv_prune.from_pretrained(tmp_path / "src", device_map=device_map, offload="disk")
+
+
 def test_cli_prune_and_shrink_offload(tmp_path):
     """``sinv-prune prune --offload disk`` saves the same model as without; shrink refuses offloaded blocks."""
     from click.testing import CliRunner
