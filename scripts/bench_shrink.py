@@ -76,9 +76,9 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         found = sinv_prune.shrink(model, cut, calibration=calib, length=length, stock=args.stock,
                                   budget=args.budget, seed=args.seed, quiet=True, statistics=statistics,
-                                  refine=args.refine)  # fmt: skip
+                                  refine=args.refine, keep_statistics=True)  # fmt: skip
         seconds = time.perf_counter() - start
-        statistics = found.statistics  # the same model and calibration: the next cut skips the pass
+        statistics = statistics or found.statistics  # the same model and calibration: the next cut skips the pass
         print(found, flush=True)
         value = ppl(model, test_ids, args, args.device)
         acc = lastword(model)

@@ -443,6 +443,7 @@ def _offload_folder(offload: str, folder: Path | None, output: Path):
 @click.option("--allow-empty-layers", is_flag=True, help="Allow removing every head of a layer.")
 @offload_options
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print the predicted peak memory (from the config alone); run nothing.")
 def prune(
     source: str,
     output: Path,
@@ -456,6 +457,7 @@ def prune(
     offload: str,
     offload_folder: Path | None,
     overwrite: bool,
+    dry_run: bool,
 ):
     """Remove heads, MLP channels, experts and/or whole layers from the model at SOURCE; save it to OUTPUT.
 
@@ -479,9 +481,12 @@ def prune(
             request["layers"] = parse_layers(layers)
     if not any(request.values()):
         raise UsageError("nothing to remove: give --heads, --mlp, --experts, --layers or --plan FILE.json")
-    if output.exists() and not overwrite:
+    if output.exists() and not overwrite and not dry_run:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     source = _model_source(source, gguf_file)
+    _memory_check(source, gguf_file, "plain", dry_run=dry_run, offload=offload)
+    if dry_run:
+        return
     with _offload_folder(offload, offload_folder, output) as folder:
         try:
             load = {"gguf_file": gguf_file} if gguf_file else {}
@@ -496,6 +501,31 @@ def prune(
         )
     click.echo(str(summary))
     click.echo(f"saved to {output}" + ("" if tokenizer else " (no tokenizer found at the source)"))
+
+
+def _memory_check(source: str, gguf_file: str | None, task: str, *, dry_run: bool, sequences: int = 0,
+                  length: int = 0, device: str = "cpu", offload: str = "none") -> None:  # fmt: skip
+    """Predict the run's peak memory from SOURCE's config (no weight read) and refuse, exit 2 with one line
+    naming the option that would fit, a run the device (here the CPU: the host's available memory) cannot
+    hold; with ``dry_run`` also print the prediction. ``SINV_PRUNE_NO_MEMORY_CHECK=1`` skips the refusal
+    of a real run (the prediction errs high where its round constants do)."""
+    from sinv_prune.pipeline.memory_model import dry_run_check, gib, shape_of_source
+
+    if not dry_run and os.environ.get("SINV_PRUNE_NO_MEMORY_CHECK"):
+        return
+    try:
+        shape = shape_of_source(source, gguf_file)
+    except (OSError, ValueError) as err:
+        if dry_run:
+            raise UsageError(f"{source}: cannot read its config ({_one_line(err)})") from None
+        return  # the load itself says what is wrong
+    lines, refused = dry_run_check(shape, task, device, sequences=sequences, length=length, offload=offload)
+    if dry_run:
+        click.echo(f"{source}: {shape.layers} layers, {gib(shape.model_bytes)} of weights")
+        for line in lines:
+            click.echo(line)
+    if refused:
+        raise UsageError(refused)
 
 
 def parse_size(text: str) -> int:
@@ -534,6 +564,8 @@ def parse_size(text: str) -> int:
 @click.option("--budget", default=48, show_default=True, type=click.IntRange(1), help="Plans evaluated by the search.")
 @click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None, help="Stop searching after S s.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the search (same seed, same plan).")
+@click.option("--statistics-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float64"]),
+              help="Dtype the per-layer calibration statistics are kept in (on the host).")  # fmt: skip
 @click.option("--gguf", "gguf_type", default=None, type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m",
               "q5_k_m", "q6_k"]), help="Also write OUTPUT/model.gguf of this type (checked in llama.cpp).")  # fmt: skip
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
@@ -541,8 +573,10 @@ def parse_size(text: str) -> int:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @offload_options
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print the predicted peak memory (from the config alone); run nothing.")
 def shrink(source, output, params, to, calibration, sequences, length, stock, units, budget, time_limit, seed,
-           gguf_type, gguf_file, tokenizer_path, quiet, offload, offload_folder, overwrite):  # fmt: skip
+           statistics_dtype, gguf_type, gguf_file, tokenizer_path, quiet, offload, offload_folder, overwrite,
+           dry_run):  # fmt: skip
     """Remove --params of SOURCE's non-embedding parameters (or shrink it --to a size) by a joint search over
     whole layers, query heads / KV groups and MLP channels; save the result to OUTPUT with shrink.json.
 
@@ -554,19 +588,22 @@ def shrink(source, output, params, to, calibration, sequences, length, stock, un
 
     if (params is None) == (to is None):
         raise UsageError("give exactly one of --params SHARE and --to SIZE")
-    if output.exists() and not overwrite:
+    if output.exists() and not overwrite and not dry_run:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     size = parse_size(to) if to is not None else None
     source = _model_source(source, gguf_file)
+    _memory_check(source, gguf_file, "shrink", dry_run=dry_run, sequences=sequences, length=length, offload=offload)
+    if dry_run:
+        return
     chosen = None if units is None else tuple(u.strip() for u in units.split(",") if u.strip())
     with _offload_folder(offload, offload_folder, output) as folder:
         try:
             result = run_shrink(
                 source, output, params=params, to=size, calibration=calibration, sequences=sequences, length=length,
                 stock=stock, units=chosen, budget=budget,
-                time_limit=time_limit, seed=seed, gguf_type=gguf_type, gguf_file=gguf_file,
-                tokenizer_path=tokenizer_path, quiet=quiet, overwrite=overwrite, save=_save_atomically,
-                offload=offload, offload_folder=folder,
+                time_limit=time_limit, seed=seed, statistics_dtype=statistics_dtype, gguf_type=gguf_type,
+                gguf_file=gguf_file, tokenizer_path=tokenizer_path, quiet=quiet, overwrite=overwrite,
+                save=_save_atomically, offload=offload, offload_folder=folder,
             )  # fmt: skip
         except (OSError, ValueError, ImportError) as err:
             raise UsageError(_one_line(err)) from None

@@ -580,3 +580,34 @@ def test_bench_finetune_quick(tmp_path, capsys):
         r["pruned"]["steps"] == 4 for r in result["rows"] if r["row"] != "freeze"
     )
     assert "| kd " in out and "pruned / control" in out
+
+
+def test_bench_memory_quick(tmp_path, capsys):
+    """Each row measured in its own forked process: the model's size is its parameters', and shrink's overhead
+    holds at least the statistics it keeps for every layer (float32 fit and held-out Grams, the least of the
+    two designs)."""
+    import torch
+
+    from sinv_prune.pipeline import memory_model
+
+    argv = ["--quick", "--threads", "1", "--json", str(tmp_path / "m.json")]
+    result, out = _run("bench_memory", argv, capsys)
+    _header(out, "bench_memory", argv)
+    rows = result["rows"]
+    assert [(r["spec"]["tool"], r["spec"]["layers"]) for r in rows] == [
+        (tool, layers) for tool in ("shrink", "obs", "reap") for layers in (1, 2)
+    ]
+    bench = _script("bench_memory")
+    for r in rows:
+        config, cls = bench.config_of(r["spec"])
+        with torch.device("meta"):
+            model = cls(config)
+        assert r["model_bytes"] == sum(t.numel() * 4 for t in (*model.parameters(), *model.buffers()))
+        assert r["seconds"] > 0 and r["peak_rss"] >= r["rss_base"] > r["model_bytes"]
+        assert set(r["predicted"]) == {"layerwise", "whole"}
+        if r["spec"]["tool"] == "shrink":
+            shape = memory_model.shape_of(config, cls, "float32")
+            least = memory_model.predict(shape, "shrink", sequences=4, length=16).host_terms["statistics"]
+            assert r["host_overhead"] >= least > 0
+    table = [line for line in out.splitlines() if line.startswith("| shrink (llama)")]
+    assert len(table) == 2 and " +0% |" in table[0]

@@ -474,11 +474,26 @@ def test_entropy_matches_direct_and_restores_attention():
 
 
 @pytest.mark.parametrize("name", BUILTIN)
-def test_reports_are_json(name):
+def test_reports_are_json_and_say_what_was_scored(name):
+    # the report read back from JSON: the counts of what was scored (two batches of 2 x 9 tokens) and, for
+    # sinv_early, per head the window's lowest C_Q (no head crosses 0.05 here), which is then its score
     model = tiny_model("gpt2")
     criterion = get_criterion(name)
-    criterion.compute(model, batches_for("gpt2"), c_q_trace(model))
-    json.dumps(criterion.report())
+    batches, trace = batches_for("gpt2", 2), c_q_trace(model)
+    scores = criterion.compute(model, batches, trace)
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    lowest = [[min(r["C_Q"][layer][h] for r in trace) for h in range(len(row))] for layer, row in enumerate(scores)]
+    expected = {
+        "activation": {"metric": "fluctuation", "batches": 2, "tokens": tokens},
+        "entropy": {"batches": 2, "query_rows": tokens, "invert": False},
+        "taylor": {"batches": 2, "normalize": True},
+        "sinv_early": {"crossed": 0, "crossed_heads": {}, "threshold": 0.05, "epochs": 15, "measure": "C_Q",
+                       "window_records": 2, "window": [{"step": r["step"], "epoch": r["epoch"]} for r in trace],
+                       "crossing": [[None] * len(row) for row in scores], "min_in_window": lowest},
+    }.get(name, {})  # fmt: skip
+    assert json.loads(json.dumps(criterion.report())) == expected
+    if name == "sinv_early":
+        assert scores == lowest
 
 
 def test_all_archs_listed():

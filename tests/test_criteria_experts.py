@@ -173,6 +173,37 @@ def test_reap_and_ean_equal_a_direct_computation(kind, norm, renormalize):
         assert ean[layer] == pytest.approx(stats["norm"].tolist(), rel=1e-4, abs=1e-7)
 
 
+def _reap_by_hand(stats: dict[str, torch.Tensor]) -> list[float]:
+    return torch.where(stats["routed"] > 0, stats["gated"] / stats["routed"].clamp_min(1), 0.0).tolist()
+
+
+def _ranking(row) -> list[int]:
+    return sorted(range(len(row)), key=lambda e: row[e])
+
+
+def test_reap_renormalises_by_default_where_the_config_sets_norm_topk_prob():
+    """As the authors' code (CerebrasResearch/reap, "Renorm router logits by default"): the gate is the top-k
+    renormalised weight on a ``norm_topk_prob`` model, the plain softmax probability otherwise."""
+    inputs = batch(1, rows=4, length=12)
+    for norm in (True, False):
+        model = moe_model("qwen3_moe", seed=1, norm_topk_prob=norm)
+        criterion = get_criterion("reap", unit="experts")
+        scores = criterion.compute(model, [inputs])
+        hand = {
+            k: {layer: _reap_by_hand(s) for layer, s in direct_routing(model, inputs, k).items()} for k in (True, False)
+        }
+        # the two gates order this model's experts differently, so the ranking tells them apart
+        assert any(_ranking(hand[True][layer]) != _ranking(hand[False][layer]) for layer in hand[True])
+        for layer, row in hand[norm].items():
+            assert _ranking(scores[layer]) == _ranking(row)
+            assert scores[layer] == pytest.approx(row, rel=1e-4, abs=1e-7)
+        assert criterion.report()["gate"] == (
+            "softmax probability / its sum over the top k" if norm else "softmax probability"
+        )
+    with pytest.raises(ValueError, match="renormalize must be true, false or null"):
+        get_criterion("reap", unit="experts", renormalize="yes")
+
+
 def test_a_zeroed_expert_scores_lowest():
     model = moe_model()
     adapter = get_adapter(model)

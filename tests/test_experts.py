@@ -329,19 +329,21 @@ def test_taylor_scores_experts_through_their_gates():
     assert all(any(v > 0 for v in row) for row in scores)
 
 
-def test_uneven_counts_turn_off_the_load_balancing_loss_they_would_break(caplog):
-    model = fresh("qwen3_moe")
+def test_dropping_every_moe_layer_turns_the_load_balancing_loss_off(caplog, tmp_path):
+    """With no router left, transformers' load-balancing loss would index an empty tuple at every forward."""
+    model = fresh("qwen3_moe")  # MoE layers 0 and 2 around dense layer 1
     model.config.output_router_logits = True
-    sinv_prune.prune(model, {"experts": {0: [1], 2: [1, 2]}})
-    assert not model.config.output_router_logits and "load-balancing loss" in caplog.text
-    model.train()
-    assert model(INPUTS, labels=INPUTS).loss.isfinite()  # the stacked router logits would not fit
-    uniform = fresh("qwen3_moe")
-    uniform.config.output_router_logits = True
-    sinv_prune.prune(uniform, {"experts": {0: [1], 2: [2]}})
-    assert uniform.config.output_router_logits
-    uniform.train()
-    assert uniform(INPUTS, labels=INPUTS).aux_loss.isfinite()
+    sinv_prune.prune(model, {"layers": [2]})
+    assert model.config.output_router_logits  # one MoE layer left: the loss stays
+    sinv_prune.prune(model, {"layers": [0]})
+    assert not model.config.output_router_logits and "no mixture-of-experts layer is left" in caplog.text
+    assert moe_layers(model) == []
+    out = model(INPUTS, labels=INPUTS)
+    assert out.loss.isfinite() and out.aux_loss is None
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not reloaded.config.output_router_logits
+    torch.testing.assert_close(reloaded(INPUTS, labels=INPUTS).loss, out.loss, atol=1e-6, rtol=0)
 
 
 def test_sinv_depth_reads_a_moe_layers_c_ff_as_its_experts_mean():
@@ -356,3 +358,126 @@ def test_sinv_depth_reads_a_moe_layers_c_ff_as_its_experts_mean():
         c_ff = sum(experts) / len(experts) if experts else measures["C_FF"][layer]
         c_q = sum(measures["C_Q"][layer]) / len(measures["C_Q"][layer])
         assert scores[layer] == pytest.approx(-c_ff / c_q, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "drop"),
+    [
+        ("qwen3_moe", {}, [0]),  # mlp_only_layers=[1]: the dense layer moves to 0
+        ("qwen2_moe", {}, [0]),
+        ("qwen2_moe", {"mlp_only_layers": [], "decoder_sparse_step": 2}, [0]),  # the step would hit the dense one
+        ("qwen3_moe", {"mlp_only_layers": [], "decoder_sparse_step": 2}, [1]),  # no MoE layer left
+    ],
+)
+def test_dropping_layers_of_a_mixed_model_keeps_each_layers_kind_on_reload(family, overrides, drop, tmp_path):
+    model = tiny_moe(family, **overrides)
+    kinds = [bool(get_adapter(model).num_experts(i)) for i in range(LAYERS)]
+    sinv_prune.prune(model, {"layers": drop})
+    kept = [kind for i, kind in enumerate(kinds) if i not in drop]
+    expected = logits(model)
+    model.save_pretrained(tmp_path)
+    stock, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or re-initialised weights
+    for reloaded in (stock.eval(), sinv_prune.from_pretrained(tmp_path).eval()):
+        adapter = get_adapter(reloaded)
+        assert [bool(adapter.num_experts(i)) for i in range(adapter.num_layers)] == kept
+        torch.testing.assert_close(logits(reloaded), expected, atol=1e-5, rtol=0)
+
+
+def reference_aux_loss(router_logits, removed: dict[int, list[int]], layers: list[int]) -> torch.Tensor:
+    """transformers' load-balancing loss over the kept experts, from the masked original's router logits: per
+    MoE layer, the kept columns' softmax and top-k; the shares pooled by kept position over the layers, times the
+    largest kept count ``E`` (``E * sum_j f_j P_j``; f: the share of top-k picks, P: the mean probability; a layer
+    keeping fewer than ``E`` adds nothing past its own count)."""
+    width = max(EXPERTS - len(removed.get(layer, [])) for layer in layers)
+    picks = torch.zeros(width, dtype=torch.float64)
+    probs = torch.zeros(width, dtype=torch.float64)
+    for logits_, layer in zip(router_logits, layers, strict=True):
+        kept = [e for e in range(EXPERTS) if e not in removed.get(layer, [])]
+        p = torch.softmax(logits_[:, kept].double(), dim=-1)
+        for j in torch.topk(p, TOP_K, dim=-1).indices.flatten().tolist():
+            picks[j] += 1
+        probs[: len(kept)] += p.sum(dim=0)
+    rows = router_logits[0].shape[0] * len(layers)
+    return width * ((picks / rows) * (probs / rows)).sum()
+
+
+def masked_loss(model, removed: dict[int, list[int]], heads: tuple[int, ...] = ()):
+    """The original's output with labels, its routers masked and query ``heads`` of layer 0 zeroed, and its
+    cross-entropy alone (the loss less the router's aux loss)."""
+    reference = copy.deepcopy(model)
+    adapter = get_adapter(reference)
+    d = adapter.layout(0).head_dim
+    with torch.no_grad():
+        for head in heads:
+            adapter.out_proj(0).weight[:, head * d : (head + 1) * d] = 0
+    with masked_routers(reference, removed), torch.no_grad():
+        out = reference(INPUTS, labels=INPUTS)
+    return out, out.loss - reference.config.router_aux_loss_coef * out.aux_loss
+
+
+def assert_loss(pruned, out, cross_entropy, aux) -> None:
+    with torch.no_grad():
+        got = pruned(INPUTS, labels=INPUTS)
+    torch.testing.assert_close(got.aux_loss.double(), aux, atol=1e-5, rtol=0)
+    expected = cross_entropy + pruned.config.router_aux_loss_coef * got.aux_loss
+    torch.testing.assert_close(got.loss, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.logits, out.logits, atol=1e-5, rtol=0)
+
+
+def test_an_even_expert_cut_beside_uneven_heads_keeps_the_load_balancing_loss(tmp_path):
+    """Uneven heads take the remote-code route; the expert count the config and the model state is the layers' one,
+    so the loss with labels (cross-entropy plus the router's aux loss) is the masked original's cross-entropy plus
+    the aux loss over the kept experts, before and after a reload."""
+    model = fresh("qwen3_moe")
+    model.config.output_router_logits = True
+    removed = {0: [0, 1], 2: [3, 4]}
+    out, cross_entropy = masked_loss(model, removed, heads=(1, 3))
+    aux = reference_aux_loss(out.router_logits, removed, moe_layers(model))
+    sinv_prune.prune(model, {"experts": removed, "heads": {0: [1, 3]}})
+    assert not get_record(model.config).stock_layout
+    model.save_pretrained(tmp_path)
+    assert transformers.AutoConfig.from_pretrained(tmp_path, trust_remote_code=True).num_experts == EXPERTS - 2
+    for pruned in (model, sinv_prune.from_pretrained(tmp_path).eval()):
+        assert pruned.num_experts == pruned.config.num_experts == EXPERTS - 2
+        assert_loss(pruned, out, cross_entropy, aux)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_uneven_expert_counts_keep_the_load_balancing_loss(family, tmp_path):
+    """Layers keeping different counts: the aux loss is transformers' formula over router logits padded with
+    never-chosen experts to the largest count, recomputed here from the masked original's logits."""
+    model = fresh(family)
+    model.config.output_router_logits = True
+    layers = moe_layers(model)
+    removed = {layers[0]: [1], layers[-1]: [1, 2]}
+    out, cross_entropy = masked_loss(model, removed)
+    aux = reference_aux_loss(out.router_logits, removed, layers)
+    sinv_prune.prune(model, {"experts": removed})
+    assert model.config.output_router_logits and not get_record(model.config).stock_layout
+    model.save_pretrained(tmp_path)
+    for pruned in (model, sinv_prune.from_pretrained(tmp_path).eval()):
+        assert getattr(pruned.config, get_adapter(pruned).config_experts_key) == EXPERTS  # the rebuild's count
+        assert pruned.num_experts == max(EXPERTS - len(removed.get(layer, [])) for layer in layers)
+        assert_loss(pruned, out, cross_entropy, aux)
+        with torch.no_grad():  # the padding is the aux loss's only: the routers' own logits keep their widths
+            assert get_adapter(pruned).router(layers[-1])(torch.randn(3, 32)).__getitem__(0).shape == (3, EXPERTS - 2)
+    adapter = get_adapter(model)  # now one count again: no padding, the stock formula
+    sinv_prune.prune(
+        model, {"experts": {layer: list(range(adapter.num_experts(layer) - EXPERTS + 2)) for layer in layers}}
+    )
+    assert model.num_experts == getattr(model.config, adapter.config_experts_key) == EXPERTS - 2
+    with torch.no_grad():
+        widths = {t.shape[-1] for t in model(INPUTS, output_router_logits=True).router_logits}
+    assert widths == {EXPERTS - 2}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_open_expert_gates_leave_a_bf16_model_bit_identical(family):
+    """The gates' re-routing keeps each family's dtypes (Mixtral's top-k weights stay float32, the others' are
+    cast to the logits' dtype), so in bfloat16 open gates compute the plain model's logits exactly."""
+    model = fresh(family).to(torch.bfloat16)
+    plain = logits(model)
+    with get_unit("experts").gates(model, requires_grad=False):
+        gated = logits(model)
+    assert torch.equal(gated, plain), (gated.float() - plain.float()).abs().max()

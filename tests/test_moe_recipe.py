@@ -160,7 +160,9 @@ def test_routing_statistics_use_the_original_numbering_after_layers_and_experts_
     ids = torch.arange(40).repeat(3)
     before = routing_statistics(model, ids, seq_len=20, batch_size=2)
     sinv_prune.prune(model, {"layers": [1], "experts": {2: [0, 7]}})  # then layer 1 of the pruned model is original 2
-    assert model.config.output_router_logits is False  # the load-balancing loss takes one expert count only
+    assert model.config.output_router_logits is True  # kept: the load-balancing loss gets padded router logits
+    with torch.no_grad():
+        assert model(ids[None, :20], labels=ids[None, :20]).aux_loss.isfinite()
     after = routing_statistics(model, ids, seq_len=20, batch_size=2)
     assert sorted(before["layers"]) == ["0", "1", "2"] and sorted(after["layers"]) == ["0", "2"]
     assert after["num_experts"] == 8 and after["layers"]["2"]["removed"] == [0, 7]

@@ -33,6 +33,8 @@ class MoeAdapter(LlamaAdapter):
     config_expert_width_key: ClassVar[str] = "moe_intermediate_size"
     #: Config attribute holding the shared expert's width (Qwen2-MoE), None where MoE layers have none.
     config_shared_width_key: ClassVar[str | None] = None
+    #: Whether the router casts its top-k weights to the logits' dtype (Qwen2/3-MoE, OLMoE); Mixtral's stay float32.
+    weights_in_logits_dtype: ClassVar[bool] = True
 
     def moe_block(self, layer: int) -> nn.Module | None:
         mlp = self.base.layers[layer].mlp
@@ -120,13 +122,15 @@ class MoeAdapter(LlamaAdapter):
                 module.num_experts = keep.numel()
 
     def route(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router's ``(top-k weights, top-k experts)`` from its logits, as the family computes them."""
+        """The router's ``(top-k weights, top-k experts)`` from its logits, as the family computes them: softmax
+        and top-k in float32, the weights cast back to the logits' dtype where the family does
+        (:attr:`weights_in_logits_dtype`)."""
         router = self.router(layer)
         probs = torch.softmax(logits.float(), dim=-1)
         top, index = torch.topk(probs, router.top_k, dim=-1)
         if self.renormalizes(router):
             top = top / top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), index
+        return (top.to(logits.dtype) if self.weights_in_logits_dtype else top), index
 
     def renormalizes(self, router: nn.Module) -> bool:
         """Whether the top-k weights are renormalised to sum to 1 (``norm_topk_prob``)."""
@@ -189,6 +193,7 @@ class MixtralAdapter(MoeAdapter):
     model_types = ("mixtral",)
     config_experts_key = "num_local_experts"
     config_expert_width_key = "intermediate_size"
+    weights_in_logits_dtype = False
 
     def renormalizes(self, router):
         return True

@@ -315,45 +315,37 @@ def block_damage(model: nn.Module, groups: Sequence[Group], batches: Sequence[Ma
                  *, quiet: bool = False) -> dict[tuple[str, int], dict[int, float]]:  # fmt: skip
     """Per group, ``{units removed: relative squared error of the block's output}`` at 0 and ``trials`` cuts.
 
-    Block by block on the unpruned model's own inputs to that block (cached, then advanced
-    through the unpruned block); the cut units are masked by gates, nothing is removed.
+    Block by block on the unpruned model's own inputs to that block, through the layer-wise engine
+    (:func:`~sinv_prune.surgery.layerwise.layer_by_layer`: hidden states on the host, the block alone
+    on the compute device); the cut units are masked by gates, nothing is removed.
     """
-    from sinv_prune.surgery.block_inputs import capture_block_inputs
+    from sinv_prune.surgery.layerwise import layer_by_layer
 
     adapter = get_adapter(model)
     by_layer: dict[int, list[Group]] = {}
     for g in groups:
         by_layer.setdefault(g.layer, []).append(g)
     out: dict[tuple[str, int], dict[int, float]] = {}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), contextlib.ExitStack() as stack:
-            gates = {
-                name: stack.enter_context(get_unit(name).gates(model, requires_grad=False)) for name in _kinds(groups)
-            }
-            inputs = capture_block_inputs(model, adapter, batches, holdout=0)
-            hidden = [inp.hidden for inp in inputs]
-            blocks = adapter.layers()
-            for layer in bar(range(len(blocks)), desc="sensitivity", unit="layer", disable=quiet):
-                block = blocks[layer]
-                clean = [inp.run(block, layer, h) for h, inp in zip(hidden, inputs, strict=True)]
-                norm = sum(_energy(y, inp) for y, inp in zip(clean, inputs, strict=True))
-                for g in by_layer.get(layer, []):
-                    levels = _trial_counts(g.allowed, trials)
-                    out[g.unit, layer] = {0: 0.0}
-                    gate = gates[g.unit][layer]
-                    for k in levels:
-                        gate.fill_(1.0)
-                        gate[g.pick(k)] = 0.0
-                        err = 0.0
-                        for h, y, inp in zip(hidden, clean, inputs, strict=True):
-                            err += _energy(inp.run(block, layer, h) - y, inp)
-                        out[g.unit, layer][k] = err / max(norm, 1e-30)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        gates = {name: stack.enter_context(get_unit(name).gates(model, requires_grad=False)) for name in _kinds(groups)}
+        for layer in layer_by_layer(model, adapter, batches, quiet=quiet, desc="sensitivity"):
+            clean = layer.run()  # on the host: the next block's inputs
+            norm = sum(_energy(y, inp) for y, inp in zip(clean, layer.batches, strict=True))
+            for g in by_layer.get(layer.index, []):
+                out[g.unit, layer.index] = {0: 0.0}
+                gate = gates[g.unit][layer.index]
+                for k in _trial_counts(g.allowed, trials):
                     gate.fill_(1.0)
-                hidden = clean
-    finally:
-        model.train(was_training)
+                    gate[g.pick(k)] = 0.0
+                    err = [0.0]
+
+                    def add(j: int, x: torch.Tensor, y: torch.Tensor, err=err, clean=clean, layer=layer) -> None:
+                        err[0] += _energy(y - clean[j].to(y.device), layer.batches[j])
+
+                    layer.run(add)
+                    out[g.unit, layer.index][k] = err[0] / max(norm, 1e-30)
+                gate.fill_(1.0)
+            layer.outputs = clean
     return out
 
 
@@ -361,7 +353,8 @@ def _energy(x: torch.Tensor, inp) -> float:
     """Sum of squares over the non-padding tokens."""
     from sinv_prune.surgery.block_inputs import rows
 
-    return float(rows(x, inp.valid).double().pow(2).sum())
+    valid = None if inp.valid is None else inp.valid.to(x.device)
+    return float(rows(x, valid).double().pow(2).sum())
 
 
 def _trial_counts(allowed: list[int], trials: int) -> list[int]:

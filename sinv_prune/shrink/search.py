@@ -1,8 +1,9 @@
 """``shrink``: remove a share of a model's parameters by a joint search over whole layers, heads, MLP channels
 and (mixture-of-experts models) routed experts.
 
-1. One pass over the calibration text measures what the search needs (:mod:`~sinv_prune.shrink.statistics`):
-   per-layer statistics of the consumers, OBS orders, block influence.
+1. One pass over the calibration text, one block at a time, measures what the search needs
+   (:mod:`~sinv_prune.shrink.statistics`): per-layer statistics of the consumers (kept on the host in
+   ``statistics_dtype``), OBS orders, block influence, REAP scores of MoE layers' experts.
 2. Seeds: the uniform single-unit cuts (MLP channels only, or experts only on a MoE model; query heads / KV
    groups only; whole layers only, the least influential blocks) and their mixes with uniform MLP channels
    (experts) making up the rest.
@@ -35,11 +36,12 @@ from sinv_prune.scoring.criteria.base import preserve_modes
 from sinv_prune.shrink.calibration import calibration_sequences
 from sinv_prune.shrink.fitness import Candidates
 from sinv_prune.shrink.space import Genome, Space, build_space
-from sinv_prune.shrink.statistics import Picks
+from sinv_prune.shrink.statistics import Picks, mlp_order
+from sinv_prune.surgery import consumer_statistics
 from sinv_prune.surgery.block_inputs import input_device
 from sinv_prune.surgery.consumer_statistics import Statistics, consumer_modules
 from sinv_prune.surgery.offload import apply_offload
-from sinv_prune.surgery.refit import write_consumer
+from sinv_prune.surgery.refit import consumer_weights, write_consumer
 from sinv_prune.surgery.removal import count_parameters, prune
 from sinv_prune.units.experts import EXPERTS
 from sinv_prune.units.heads import HEADS
@@ -87,6 +89,8 @@ class ShrinkResult:
     settings: dict = field(default_factory=dict)
     record_stock: bool | None = None
     built: str = "per-layer refit"
+    #: (unit, layer) of the built model's consumers whose refit was not finite: plainly pruned there instead
+    fallbacks: list[tuple[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +124,9 @@ class ShrinkResult:
         text += f"; MLP {min(mlp)}-{max(mlp)}" if mlp else ""
         text += f"; experts {min(experts)}-{max(experts)}" if experts else ""
         lines.append(text if kept else "  widths: none")
+        if self.fallbacks:
+            lines.append("  refit not finite, plainly pruned instead: "
+                         + ", ".join(f"layer {layer} {unit}" for unit, layer in self.fallbacks))  # fmt: skip
         t = self.seconds
         lines.append("  time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()))
         return "\n".join(lines)
@@ -147,6 +154,8 @@ def shrink(
     quiet: bool = False,
     statistics: Statistics | None = None,
     refine: bool = False,
+    statistics_dtype: str = "float32",
+    keep_statistics: bool = False,
     offload: str = "none",
     offload_folder: str | None = None,
 ) -> ShrinkResult:
@@ -162,7 +171,11 @@ def shrink(
     channels, ``experts`` on MoE layers, to one expert); ``min_mlp``: share of each layer's channels (and
     experts, at least ``num_experts_per_tok``) that stays. Bad arguments raise a
     one-line ``ValueError`` before anything changes. ``statistics``: the :class:`Statistics` of an earlier call
-    on this same (unpruned) model and calibration, to skip the pass (``result.statistics`` holds it).
+    on this same (unpruned) model and calibration, to skip the pass (``result.statistics`` holds it where that
+    call had ``keep_statistics=True``; otherwise it is None and the statistics are freed on return).
+    ``statistics_dtype``: ``"float32"`` (default) or ``"float64"``, the dtype the per-layer sums are kept in
+    (on the host, one layer on the device at a time; ``scripts/check_statistics_dtype.py`` measures the
+    difference).
     ``refine``: also build the chosen plan block by block (:func:`~sinv_prune.prune` with ``compensate="obs"``
     on every calibration sequence, after the blocks are dropped) and keep it where its held-out perplexity
     is lower (``result.built`` says which; it costs a full compensation pass and a copy of the model).
@@ -175,6 +188,7 @@ def shrink(
     adapter = get_adapter(model)
     units = model_units(adapter) if units is None else tuple(units)
     _check(model, adapter, params, to, units, budget, holdout, fitness_sequences, min_mlp, multiple)
+    dtype = consumer_statistics.statistics_dtype(statistics_dtype)
     before = count_parameters(model)
     non_emb = non_embedding_parameters(model)
     target = math.ceil(params * non_emb) if params is not None else before - int(to)
@@ -189,12 +203,19 @@ def shrink(
     held_seqs = [s for s, h in zip(seqs, heldout, strict=True) if h]
     seconds: dict[str, float] = {}
     t = time.perf_counter()
-    stats = statistics or Statistics(model, adapter, seqs, heldout, quiet=quiet)
+    orders: dict[int, list[list[int]]] = {}
+
+    def on_layer(layer: int, fits: dict) -> None:  # the MLP's OBS order while its statistics are on the device
+        s = space.layers[layer]
+        if s.max_steps:
+            orders[layer] = mlp_order(s, fits[MLP.name, layer][0], consumer_weights(adapter.mlp_out(layer))[0])
+
+    stats = statistics or Statistics(model, adapter, seqs, heldout, quiet=quiet, dtype=dtype, on_layer=on_layer)
     if len(stats.influence) != adapter.num_layers:
         raise ValueError("statistics= come from another model (its layer count differs)")
     seconds["statistics"] = time.perf_counter() - t
     t = time.perf_counter()
-    picks = Picks(stats, space, adapter, quiet=quiet)
+    picks = Picks(stats, space, adapter, quiet=quiet, orders=orders)
     seconds["OBS orders"] = time.perf_counter() - t
     bypass = stats.bypass_order()
     rng = random.Random(seed)
@@ -244,7 +265,9 @@ def shrink(
             if ppl[best_seed] < ppl["search"]:
                 chosen, genome, best_fit = best_seed, found[best_seed]["genome"], found[best_seed]["fitness"]
         plan, kept_widths = to_plan(genome, picks), widths(genome, space, adapter)
-        refits = {key: picks.refit(*key, removed) for key, removed in _cut_consumers(genome, picks).items()}
+        cuts = _cut_consumers(genome, picks)
+        refits = {key: picks.refit(*key, removed) for key, removed in cuts.items()}
+        fallbacks = sorted(key for key, removed in cuts.items() if picks.fell_back(*key, removed))
         cand.reset()
     built = "per-layer refit"
     summary = None
@@ -258,6 +281,7 @@ def shrink(
         if ppl["sequential"] < ppl[chosen]:
             _become(model, sequential)
             built = "sequential OBS refit"
+            fallbacks = []  # the per-layer refits are not used
         else:
             summary = None
         del sequential
@@ -277,13 +301,15 @@ def shrink(
         params_after=count_parameters(model), non_embedding=non_emb, shares=space.shares(genome),
         widths=kept_widths, fitness=best_fit, seeds=found, heldout_ppl=ppl, evaluations=used,
         budget=budget, stopped_by_time=timed_out, history=history, seconds={k: round(v, 2) for k, v in seconds.items()},
-        stock=stock, seed=seed, record_stock=record_stock, built=built,
+        stock=stock, seed=seed, record_stock=record_stock, built=built, fallbacks=fallbacks,
         settings={"units": list(units), "multiple": multiple, "min_mlp": min_mlp, "sequences": len(seqs),
                   "length": length, "holdout": holdout, "fitness_tokens": int(fit_batch.numel()),
                   "heldout_tokens": sum(s.numel() for s in held_seqs), "time_limit": time_limit},
     )  # fmt: skip
     result.summary = summary  # the removal's PruneSummary (not fields: to_dict leaves them out)
-    result.statistics = stats
+    result.statistics = stats if keep_statistics else None
+    if not keep_statistics and statistics is None:
+        stats.close()
     return result
 
 
@@ -313,30 +339,35 @@ def _check(model, adapter, params, to, units, budget, holdout, fitness_sequences
 
 def seed_genomes(space: Space, bypass: list[int], rng: random.Random) -> dict[str, Genome]:
     """The uniform single-unit cuts and their mixes with uniform fill (MLP channels, experts) making up the rest
-    (only those that exist), each named by the units it takes from (``mlp``, ``heads+mlp``, ``layers+experts``)."""
+    (only those that exist), each named by the units it takes from (``mlp``, ``heads+mlp``, ``layers+experts``).
+
+    Every seed is repaired as the search's genomes are (:meth:`Space.repair`: uniform fill first, then, unless
+    ``stock``, the steps past the target given back), so each removes the target to within one fill step;
+    a head option or a count of whole blocks that alone overshoots by more is no seed (its mix with fill,
+    one option or one block less, is)."""
     n = len(space.layers)
-    found: list[Genome] = []
     stock_space = Space(space.layers, space.target, True, space.units, space.min_layers)
-    found.append(stock_space.repair(space.empty(), rng))
+    uniform: list[Genome | None] = [stock_space.repair(space.empty(), rng)]
     if HEADS.name in space.units:
         options = space.layers[0].heads
         same = all(len(s.heads) == len(options) for s in space.layers)
         by_cost = sorted(range(1, len(options)), key=lambda j: options[j].removed) if same else []
         whole = [j for j in by_cost if sum(s.heads[j].removed for s in space.layers) >= space.target]
         if whole:
-            found.append(replace(space.empty(), heads=(whole[0],) * n))
+            uniform.append(replace(space.empty(), heads=(whole[0],) * n))
         under = [j for j in by_cost if j not in whole]
         if under:
-            found.append(stock_space.repair(replace(space.empty(), heads=(under[-1],) * n), rng))
+            uniform.append(stock_space.repair(replace(space.empty(), heads=(under[-1],) * n), rng))
     if LAYERS.name in space.units:
         block = space.layers[0].block
         need = -(-space.target // block)
         if need <= n - space.min_layers:
-            found.append(replace(space.empty(), dropped=tuple(sorted(bypass[:need]))))
+            uniform.append(replace(space.empty(), dropped=tuple(sorted(bypass[:need]))))
         if need - 1 > 0:
-            found.append(stock_space.repair(replace(space.empty(), dropped=tuple(sorted(bypass[: need - 1]))), rng))
+            uniform.append(stock_space.repair(replace(space.empty(), dropped=tuple(sorted(bypass[: need - 1]))), rng))
     out: dict[str, Genome] = {}
-    for g in found:
+    for g in uniform:
+        g = None if g is None else space.repair(g, rng)
         if g is not None:
             out.setdefault("+".join(u for u, v in space.shares(g).items() if v) or "none", g)
     return out

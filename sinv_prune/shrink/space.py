@@ -5,7 +5,9 @@ A :class:`Genome` is one plan: the dropped blocks, per kept layer one :class:`He
 kept x query heads kept per group) and a number of *fill* steps removed: MLP steps (``multiple``
 channels each) in a dense layer, experts in a MoE layer (the channels inside experts are not searched).
 Its parameter count is exact (each option's cost is counted from the layer's own tensors), so a
-genome is :func:`repair` ed to remove at least the target and overshoot by less than one fill step.
+genome is :func:`repair` ed to remove at least the target and overshoot by less than one fill step
+(:meth:`Space.slack`); one that cannot (whole blocks or head options alone past the target, nothing to give
+back) is no plan.
 ``stock`` genomes keep the same head option, MLP width and expert count in every kept layer (the stock
 class, vLLM and llama.cpp load those).
 """
@@ -108,6 +110,18 @@ class Space:
     def removed(self, g: Genome) -> int:
         return sum(self.shares(g).values())
 
+    def slack(self, g: Genome) -> int:
+        """How far past the target a repaired ``g`` may go: less than one fill step (the largest a kept layer
+        can take; under ``stock`` one step in every kept layer, the stock repair's unit)."""
+        kept = [s for s in self.layers if s.layer not in g.dropped]
+        if self.stock:
+            return sum(s.fill_cost for s in kept)
+        return max((s.fill_cost for s in kept if s.fill_max), default=0)
+
+    def meets(self, g: Genome) -> bool:
+        """Whether ``g`` removes at least the target and overshoots it by less than :meth:`slack`."""
+        return 0 <= self.removed(g) - self.target < self.slack(g)
+
     def empty(self) -> Genome:
         n = len(self.layers)
         return Genome((), (0,) * n, (0,) * n, (0,) * n if self.moe else ())
@@ -129,7 +143,12 @@ class Space:
 
     def repair(self, g: Genome, rng: random.Random) -> Genome | None:
         """``g`` with fill steps (MLP steps; experts in MoE layers) added or given back until it removes at
-        least the target by less than one step more than needed; None if no fill gets there."""
+        least the target by less than one step more than needed (:meth:`meets`); None if no fill gets there
+        (too little room, or dropped blocks and head options alone already past the target by a step)."""
+        out = self._repair(g, rng)
+        return out if out is not None and self.meets(out) else None
+
+    def _repair(self, g: Genome, rng: random.Random) -> Genome | None:
         kept = [s for s in self.layers if s.layer not in g.dropped]
         if len(kept) < self.min_layers:
             return None

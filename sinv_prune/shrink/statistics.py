@@ -1,12 +1,14 @@
 """What the search needs from the unpruned model, measured once: OBS orders and refits of every option.
 
-From the consumers' statistics (:class:`~sinv_prune.surgery.consumer_statistics.Statistics`, one pass), per layer:
+From the consumers' statistics (:class:`~sinv_prune.surgery.consumer_statistics.Statistics`, one pass, one block
+at a time, kept on the host and brought to the device one consumer at a time), per layer:
 
 * heads: for every :class:`~sinv_prune.shrink.space.HeadOption`, which KV groups go (group OBS, a unit
   is a whole group's ``o_proj`` columns), then which query heads in each kept group (OBS with equal
   quotas per group);
 * MLP channels: one greedy OBS pass, ``multiple`` channels a step (:func:`~sinv_prune.surgery.obs.obs_channel_order`),
-  whose prefixes are every width's removal;
+  whose prefixes are every width's removal (computed while the statistics pass has the layer's sums on the
+  device: :func:`mlp_order`);
 * experts (MoE layers): the lowest REAP scores first (the statistics' ``expert_scores``); removing them
   needs no refit (the router renormalises over the kept experts);
 * the refit of the kept columns (ridge walked on the held-out statistics, plain weights kept where the
@@ -18,6 +20,7 @@ small solves and one forward.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -25,42 +28,45 @@ import torch
 
 from sinv_prune.arch.base import head_rows
 from sinv_prune.progress import bar
-from sinv_prune.shrink.space import HeadOption, Space
+from sinv_prune.shrink.space import HeadOption, LayerSpace, Space
 from sinv_prune.surgery.compensation import guarded_refit
 from sinv_prune.surgery.consumer_statistics import Statistics, consumer_modules
 from sinv_prune.surgery.obs import obs_channel_order, obs_order
-from sinv_prune.surgery.refit import consumer_weights
+from sinv_prune.surgery.refit import ConsumerFit, consumer_weights
 from sinv_prune.units.heads import HEADS
 from sinv_prune.units.mlp import MLP
+
+logger = logging.getLogger(__name__)
 
 
 class Picks:
     """Which units each option removes (OBS on the unpruned statistics) and the refit kept weights, cached."""
 
-    def __init__(self, stats: Statistics, space: Space, adapter, *, cache: int = 256, quiet: bool = False):
+    def __init__(self, stats: Statistics, space: Space, adapter, *, cache: int = 256, quiet: bool = False,
+                 orders: dict[int, list[list[int]]] | None = None):  # fmt: skip
+        """``orders``: MLP OBS orders already computed (:func:`mlp_order`, while the statistics were measured)."""
         self.stats, self.space, self.adapter = stats, space, adapter  # the model being cut (stats may be reused)
-        self.mlp_steps: dict[int, list[list[int]]] = {}
+        self.mlp_steps: dict[int, list[list[int]]] = dict(orders or {})
         self._heads: dict[tuple[int, int], list[int]] = {}
         self._refits: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        self._fell_back: set[tuple] = set()  # refits (unit, layer, removed) whose solve was not finite
+        self._warned: set[tuple[str, int]] = set()
         self._cap = cache
         n = self.adapter.num_layers
         # the unpruned weights, held now: candidates replace the live parameters (never in place)
         self.weights = {key: consumer_weights(module) for key, module in consumer_modules(self.adapter).items()}
         self.expert_order = [sorted(range(len(row)), key=lambda e, row=row: (row[e], e)) for row in stats.expert_scores]
         for key, (weight, _) in self.weights.items():
-            measured = stats.fits[key][0].in_features
+            measured = stats.shapes[key][0] if key in stats.shapes else None
             if measured != weight.shape[1]:
                 raise ValueError(f"statistics of another model: layer {key[1]} {key[0]} consumer has "
                                  f"{weight.shape[1]} inputs, the statistics {measured}")  # fmt: skip
         if [len(row) for row in stats.expert_scores] != [self.adapter.num_experts(i) for i in range(n)]:
             raise ValueError("statistics of another model: its expert counts differ")
-        for s in bar(space.layers, desc="OBS orders", unit="layer", disable=quiet):
-            if s.max_steps:
-                fit = self.stats.fits[MLP.name, s.layer][0]
-                weight, _ = self.weights[MLP.name, s.layer]
-                width = weight.shape[1]
-                self.mlp_steps[s.layer] = obs_channel_order(fit.gram[:width, :width], weight, s.max_steps * s.step,
-                                                            s.step)  # fmt: skip
+        missing = [s for s in space.layers if s.max_steps and s.layer not in self.mlp_steps]
+        for s in bar(missing, desc="OBS orders", unit="layer", disable=quiet or not missing):
+            fit = self.stats.pair((MLP.name, s.layer))[0]
+            self.mlp_steps[s.layer] = mlp_order(s, fit, self.weights[MLP.name, s.layer][0])
 
     def heads(self, layer: int, option: int) -> list[int]:
         """Query heads (current numbering) that head option ``option`` of ``layer`` removes."""
@@ -119,8 +125,25 @@ class Picks:
         _, (w, b), _, _ = guarded_refit(fit, held if held.tokens else None, plain)
         if not torch.isfinite(w).all() or (b is not None and not torch.isfinite(b).all()):
             w, b = plain  # an ill-conditioned solve: plain pruning instead
+            self._fell_back.add(key)
+            if (unit, layer) not in self._warned:
+                self._warned.add((unit, layer))
+                logger.warning("shrink: layer %d %s consumer: the refit is not finite (an ill-conditioned solve); "
+                               "plain pruning there instead", layer, unit)  # fmt: skip
         value = (kept, w.to(weight.dtype), None if b is None else b.to(weight.dtype))
         self._refits[key] = value
         if len(self._refits) > self._cap:
             self._refits.popitem(last=False)
         return value
+
+    def fell_back(self, unit: str, layer: int, removed_units: Sequence[int]) -> bool:
+        """Whether the refit of ``layer``'s ``unit`` consumer without ``removed_units`` fell back to plain pruning
+        (its solve was not finite)."""
+        return (unit, layer, tuple(removed_units)) in self._fell_back
+
+
+def mlp_order(s: LayerSpace, fit: ConsumerFit, weight: torch.Tensor) -> list[list[int]]:
+    """Layer ``s.layer``'s MLP channels in the order greedy OBS removes them, ``s.step`` a step, ``s.max_steps``
+    steps, on the fit statistics of its down projection (``weight``: its unpruned ``[out, in]`` weights)."""
+    width = weight.shape[1]
+    return obs_channel_order(fit.gram[:width, :width], weight.to(fit.gram.device), s.max_steps * s.step, s.step)

@@ -8,6 +8,8 @@ Two reload routes exist for a pruned model:
   shapes and the stock class loads them. GPT-2 and BERT qualify while their heads are
   untouched (their configs cannot describe pruned heads).
 * **remote code**: everything else; the config keeps the original head and MLP sizes
+  (and expert count, where MoE layers keep different ones; one count in every MoE layer is
+  stated as kept, since transformers' load-balancing loss sizes its sums with it)
   plus the pruning record, the model's class becomes ``SinvPruned<Base>`` (a subclass
   whose ``__init__`` re-applies the record), and ``save_pretrained`` ships
   ``modeling_sinv_prune.py`` with an ``auto_map`` so ``AutoModel*`` loads it with

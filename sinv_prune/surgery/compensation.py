@@ -26,8 +26,11 @@ Every block's own inputs are caught first (:mod:`~sinv_prune.surgery.block_input
 mixing sliding-window and full attention layers work. A :class:`Cut` names one consumer and the
 columns it keeps, so MLP channels (the down projection) go through the same code as heads. Alive
 at once: the two streams and one consumer's targets (each tokens x hidden width, in the model's
-dtype), one consumer's statistics twice (fit and held-out, float64, width^2; products in
-``precision``) and the plainly pruned weights of every refitted consumer (to undo them).
+dtype) and one consumer's statistics twice (fit and held-out, float64, width^2; products in
+``precision``). The plainly pruned weights of every refitted consumer (to undo the refits) wait in
+a :class:`~sinv_prune.surgery.store.Store`: host memory, or files with ``store="disk"``, so that the
+memory beyond the model does not grow with depth; at the end the fitted and plain weights are
+swapped through it one consumer at a time.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -50,6 +53,7 @@ from sinv_prune.surgery.heldout import HeldOutLoss
 from sinv_prune.surgery.obs import obs_select
 from sinv_prune.surgery.offload import Turns, onloaded
 from sinv_prune.surgery.refit import ConsumerFit, consumer_weights, write_consumer
+from sinv_prune.surgery.store import Store
 
 __all__ = [
     "METHODS", "RIDGES", "CompensationReport", "Cut", "LayerFit", "capture_block_inputs", "default_ridge", "head_cuts",
@@ -227,11 +231,10 @@ def add_attention_biases(model: nn.Module, adapter: HeadAdapter) -> bool:
 
 @dataclass
 class _Undo:
-    """A refitted consumer's plainly pruned and fitted weights, to compare the two models at the end."""
+    """A refitted consumer and the key of its plainly pruned weights in the store."""
 
     consumer: nn.Module
-    plain: tuple
-    fitted: tuple
+    key: tuple
 
 
 def compensate(
@@ -242,8 +245,18 @@ def compensate(
     method: str,
     ridge: float | None,
     precision: str = "float32",
+    store: Store | None = None,
+    after_block: Callable[[], None] | None = None,
 ) -> CompensationReport:
-    """Apply every cut block by block, refitting each consumer on the student stream (see the module doc)."""
+    """Apply every cut block by block, refitting each consumer on the student stream (see the module doc).
+
+    ``store`` keeps the plainly pruned weights of the refitted consumers (default: a host store of
+    its own); ``after_block()`` is called once each block is cut and refitted (prune's rollback
+    moves that block's old weights into its store then).
+    """
+    if store is None:
+        with Store("cpu") as own:
+            return compensate(model, adapter, cuts, inputs, method, ridge, precision, own, after_block)
     start = time.perf_counter()
     tokens = sum(i.tokens for i in inputs)
     held = sum(int(i.heldout.sum()) for i in inputs if i.heldout is not None)
@@ -268,34 +281,53 @@ def compensate(
                 student = teacher  # identical up to the first cut
             teacher = advanced
             for cut, target in zip(layer_cuts, targets or [], strict=False):
-                fit, done = _fit(index, block, cut, target, student, inputs, options)
+                fit, plain = _fit(index, block, cut, target, student, inputs, options)
                 report.layers.append(fit)
-                undo.extend(done)
+                if plain is not None and heldout:
+                    key = ("plain", index, len(undo))
+                    store.put(key, {"weight": plain[0], "bias": plain[1]})
+                    undo.append(_Undo(cut.consumer, key))
+            if after_block is not None and layer_cuts:
+                after_block()
             if student is not None and index < last:
                 student = [i.run(block, index, h) for h, i in zip(student, inputs, strict=True)]
         del teacher, student
         turn.end()
         if heldout:
             report.heldout_kind = heldout.kind
-            report.kept, report.heldout_loss = _keep_better(heldout, undo)
+            report.kept, report.heldout_loss = _keep_better(heldout, undo, store)
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _keep_better(heldout: HeldOutLoss, undo: list[_Undo]) -> tuple[str, dict[str, float]]:
-    """Measure the compensated and the plainly pruned model on the held-out tokens; keep the better."""
+def _keep_better(heldout: HeldOutLoss, undo: list[_Undo], store: Store) -> tuple[str, dict[str, float]]:
+    """Measure the compensated and the plainly pruned model on the held-out tokens; keep the better.
+
+    Each consumer's fitted weights go into ``store`` as its plain ones come out, one at a time.
+    """
     compensated = heldout()
     for u in undo:
         with onloaded(u.consumer, root=heldout.model):
-            write_consumer(u.consumer, *u.plain)
+            _swap(u.consumer, store, u.key, ("fitted", *u.key))
     plain = heldout() if undo else compensated
     loss = {"unpruned": heldout.unpruned, "plain": plain, "compensated": compensated}
     if compensated < plain:
         for u in undo:
             with onloaded(u.consumer, root=heldout.model):
-                write_consumer(u.consumer, *u.fitted)
+                write_consumer(u.consumer, *_weights(store.pop(("fitted", *u.key), linear_weight(u.consumer).device)))
         return "compensated", loss
     return "plain", loss
+
+
+def _swap(consumer: nn.Module, store: Store, take: tuple, keep: tuple) -> None:
+    """Put the consumer's weights into ``store`` under ``keep``; give it those stored under ``take``."""
+    weight, bias = consumer_weights(consumer)
+    store.put(keep, {"weight": weight, "bias": bias})
+    write_consumer(consumer, *_weights(store.pop(take, weight.device)))
+
+
+def _weights(tensors: dict) -> tuple:
+    return tensors["weight"], tensors["bias"]
 
 
 @dataclass
@@ -355,8 +387,10 @@ def _add(total, value):
     return value if total is None else total + value
 
 
-def _fit(index, block, cut: Cut, target: _Target, student, inputs, options: _Options) -> tuple[LayerFit, list[_Undo]]:
-    """Slice the block (choosing its units first for OBS), refit the consumer, keep what the held-out tokens prefer."""
+def _fit(index, block, cut: Cut, target: _Target, student, inputs, options: _Options) -> tuple[LayerFit, tuple | None]:
+    """Slice the block (choosing its units first for OBS), refit the consumer, keep what the held-out tokens prefer.
+
+    Returns the fit's report and, where the consumer was refitted, its plainly pruned ``(weight, bias)``."""
     start = time.perf_counter()
     weight, bias = consumer_weights(cut.consumer)
     obs = options.method == "obs"
@@ -377,7 +411,7 @@ def _fit(index, block, cut: Cut, target: _Target, student, inputs, options: _Opt
         index, cut.unit, cut.kept.numel(), both.relative_error(*plain), both.relative_error(*chosen),
         time.perf_counter() - start, held_before, held_after, ridge if refit else None, refit,
     )  # fmt: skip
-    return layer_fit, [_Undo(cut.consumer, plain, chosen)] if refit else []
+    return layer_fit, plain if refit else None
 
 
 def _statistics(index, block, cut, target, student, inputs, product_dtype, bias) -> tuple[ConsumerFit, ConsumerFit]:
@@ -478,10 +512,12 @@ def run_compensation(
     ridge: float | None,
     add_bias: bool,
     precision: str = "float32",
+    store: Store | None = None,
+    after_block: Callable[[], None] | None = None,
 ) -> CompensationReport:
     """Add biases when asked, then :func:`compensate` in eval mode without gradients (modes restored)."""
     added = add_attention_biases(model, adapter) if add_bias else False
     with preserve_modes(model):
-        report = compensate(model, adapter, cuts, inputs, method, ridge, precision)
+        report = compensate(model, adapter, cuts, inputs, method, ridge, precision, store, after_block)
     report.bias_added = added
     return report

@@ -25,3 +25,5 @@ def apply_record(model: nn.Module, record: PruningRecord) -> None:
     for current, original in enumerate(kept_layers):
         for unit in units():
             unit.rebuild(adapter, current, original, record)
+    for unit in units():  # what the forward reads beyond the shapes (the load-balancing loss's expert count)
+        unit.state_config(model, adapter, record, False)

@@ -81,6 +81,19 @@ class ConsumerFit:
         fit.target_sq, fit.tokens = self.target_sq + other.target_sq, self.tokens + other.tokens
         return fit
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The sums as ``{gram, cross, target_sq}`` (to store them; :meth:`from_tensors` rebuilds the fit)."""
+        return {"gram": self.gram, "cross": self.cross, "target_sq": self.target_sq}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], *, in_features: int, bias: bool, tokens: int,
+                     product_dtype=torch.float32) -> ConsumerFit:  # fmt: skip
+        """A fit over the sums of :meth:`tensors` (summed further in their dtype)."""
+        fit = cls.__new__(cls)
+        fit.in_features, fit.bias, fit.product_dtype, fit.tokens = in_features, bias, product_dtype, tokens
+        fit.gram, fit.cross, fit.target_sq = tensors["gram"], tensors["cross"], tensors["target_sq"]
+        return fit
+
     def solve(self, weight: torch.Tensor, bias: torch.Tensor | None, ridge: float) -> tuple[torch.Tensor, ...]:
         """Ridge least squares pulled towards ``(weight, bias)`` (``[out, in]``, ``[out]``); returns the fit.
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter, get_adapter
@@ -22,6 +24,7 @@ from sinv_prune.surgery.offload import (
 )
 from sinv_prune.surgery.record import PruningRecord, get_record, set_record
 from sinv_prune.surgery.shapes import apply_layer, drop_layers
+from sinv_prune.surgery.store import PLACES, Store
 from sinv_prune.units import get_unit, unit_names, units
 from sinv_prune.units.experts import ExpertChange
 from sinv_prune.units.heads import LayerChange, plan_removal
@@ -159,6 +162,7 @@ def prune_heads(
     add_bias: bool = False,
     precision: str = "float32",
     holdout: float = compensation.HOLDOUT,
+    store: str = "cpu",
 ) -> PruneSummary:
     """Remove attention heads from ``model`` in place: ``prune(model, {"heads": heads}, ...)``.
 
@@ -179,6 +183,7 @@ def prune_heads(
         add_bias=add_bias,
         precision=precision,
         holdout=holdout,
+        store=store,
     )
 
 
@@ -193,6 +198,7 @@ def prune(
     add_bias: bool = False,
     precision: str = "float32",
     holdout: float = compensation.HOLDOUT,
+    store: str = "cpu",
     offload: str = "none",
     offload_folder: str | None = None,
 ) -> PruneSummary:
@@ -254,6 +260,12 @@ def prune(
     reports, per consumer, its relative error before and after the refit.
     ``compensate=None`` (default) prunes exactly as without these arguments.
 
+    ``store`` says where, until the call returns, the old weights of each cut block (the rollback)
+    and the plainly pruned weights of refitted consumers wait: ``"cpu"`` (host memory; weights
+    already there are kept by reference) or ``"disk"`` (files in a temporary folder, deleted on
+    return), so the memory beyond the model stays flat whatever the depth
+    (:mod:`sinv_prune.surgery.store`).
+
     ``offload="cpu"`` / ``"disk"`` first offloads the transformer blocks (host RAM, or files in
     ``offload_folder``) with accelerate, so that only the block being cut or refitted is on the
     compute device (:func:`~sinv_prune.surgery.offload.apply_offload`). A model already under
@@ -262,6 +274,8 @@ def prune(
     and the cut ones written back to the hook's weights map, where forwards and ``save_pretrained``
     read them (:mod:`sinv_prune.surgery.offload`).
     """
+    if store not in PLACES:
+        raise ValueError(f"store must be one of {', '.join(map(repr, PLACES))}, got {store!r}")
     check_offload(offload, offload_folder)
     adapter = get_adapter(model)
     apply_offload(model, offload, folder=offload_folder)
@@ -278,12 +292,13 @@ def prune(
     record = _current_record(model, adapter)
     inputs = compensation.capture_block_inputs(model, adapter, calibration, holdout) if compensate else None
     before = count_parameters(model)
-    snapshot = _Snapshot.take(model, adapter, checked, all_attention=bool(add_bias and compensate))
+    held = Store(store)
+    snapshot = _Snapshot.take(model, adapter, checked, held, all_attention=bool(add_bias and compensate))
     ledger = Ledger()  # writes to offloaded blocks' weight maps, undone with the snapshot
     try:
         options = (compensate, ridge, add_bias, precision)
         with ledger.active():
-            changes, report = _cut(model, adapter, record, checked, inputs, options)
+            changes, report = _cut(model, adapter, record, checked, inputs, options, snapshot)
         origin = record.kept_layers()
         dropped = checked.dropped
         dropped_original = [origin[i] for i in dropped]
@@ -296,6 +311,8 @@ def prune(
         snapshot.restore()
         ledger.undo()
         raise
+    finally:
+        held.close()
     mark_offloaded(model)  # save_pretrained then reads the offloaded (cut) weights through the hooks
     after = count_parameters(model)
     summary = PruneSummary([], before, after, report, removed_layers=dropped, removed_layers_original=dropped_original)
@@ -304,12 +321,13 @@ def prune(
     return summary
 
 
-def _cut(model, adapter, record, plan: _Plan, inputs, options):
+def _cut(model, adapter, record, plan: _Plan, inputs, options, snapshot: _Snapshot):
     """Slice every per-layer unit's entry (compensating when asked), updating ``record``; the changes
     per summary field and the compensation report.
 
     ``options`` is ``(compensate, ridge, add_bias, precision)``. OBS may change which units go, so
-    the record and the changes are written from the plan after compensation.
+    the record and the changes are written from the plan after compensation. After each block is cut,
+    the old weights the rollback keeps of it move into its store (:meth:`_Snapshot.spill`).
     """
     compensate, ridge, add_bias, precision = options
     report = None
@@ -327,14 +345,16 @@ def _cut(model, adapter, record, plan: _Plan, inputs, options):
             for layer, cut in unit.compensation_cuts(adapter, entry, apply, choose).items():
                 cuts.setdefault(layer, []).extend(cut)
         report = compensation.run_compensation(
-            model, adapter, dict(sorted(cuts.items())), inputs, compensate, ridge, add_bias, precision
-        )
+            model, adapter, dict(sorted(cuts.items())), inputs, compensate, ridge, add_bias, precision,
+            snapshot.store, snapshot.spill,
+        )  # fmt: skip
     else:
         blocks = adapter.layers()
         for unit, entry in entries:
             for layer in entry:
                 with onloaded(blocks[layer]):  # offloaded weights come in for the cut and go back cut
                     unit.cut(adapter, layer, entry[layer])
+                snapshot.spill()
     origin = record.kept_layers()
     changes: dict[str, list] = {}
     for unit, entry in entries:
@@ -369,11 +389,23 @@ def _get(obj, key: str):
     return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
 
 
+@dataclass(frozen=True)
+class _Spilled:
+    """A saved parameter or buffer that waits in the rollback's store under ``key``."""
+
+    key: tuple
+    device: torch.device
+    requires_grad: bool
+    parameter: bool
+
+
 class _Snapshot:
     """References to everything :func:`prune` may replace, to undo a failed call.
 
     Parameters are replaced, never written in place (see ``arch.base._replace``), so
-    keeping the old objects costs no copy. Per touched module (submodules included) it
+    keeping the old objects costs no copy until the model lets go of them; then
+    :meth:`spill` moves them into ``store`` (host memory, or disk), so the rollback of a deep
+    model does not hold every cut block's old weights on the device. Per touched module (submodules included) it
     keeps the attribute dict (sizes such as ``out_features``/``nf``, a replaced
     ``forward``) and the parameter, buffer and child dicts; plus the model's class and
     the config's attributes (head and MLP sizes, layer count and ``layer_types``, record,
@@ -381,28 +413,61 @@ class _Snapshot:
     in it (their ``layer_idx``).
     """
 
-    def __init__(self, model: nn.Module, modules: list[nn.Module]):
-        self.model, self.cls = model, type(model)
+    def __init__(self, model: nn.Module, modules: list[nn.Module], store: Store):
+        self.model, self.cls, self.store = model, type(model), store
         self.config = dict(vars(model.config))
         self.modules = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in modules]
 
     @classmethod
-    def take(cls, model: nn.Module, adapter: HeadAdapter, plan: _Plan, all_attention: bool = False) -> _Snapshot:
+    def take(
+        cls, model: nn.Module, adapter: HeadAdapter, plan: _Plan, store: Store, all_attention: bool = False
+    ) -> _Snapshot:
         every = range(adapter.num_layers) if all_attention else ()
         tops = [top for layer in every for top in adapter.touched_modules(layer)]
         tops += [m for unit, entry in plan.per_layer() for layer in entry for m in unit.touched(adapter, layer)]
         if plan.dropped:
             tops.append(adapter.layer_stack())
         modules = {id(m): m for top in tops for m in top.modules()}
-        return cls(model, list(modules.values()))
+        return cls(model, list(modules.values()), store)
+
+    def spill(self) -> None:
+        """Move the saved parameters and buffers the model no longer holds into the store (one entry each)."""
+        live = {id(t) for t in itertools.chain(self.model.parameters(), self.model.buffers())}
+        moved: dict[int, _Spilled] = {}  # a tensor saved by several modules is stored once
+        for number, (_, _, params, buffers, _) in enumerate(self.modules):
+            for kind, saved in (("parameter", params), ("buffer", buffers)):
+                for name, value in saved.items():
+                    if not isinstance(value, torch.Tensor) or value.is_meta or id(value) in live:
+                        continue  # a meta tensor (an offloaded weight) costs nothing to keep
+                    if id(value) not in moved:
+                        key = (number, kind, name)
+                        self.store.put(key, {"value": value})
+                        is_param = isinstance(value, nn.Parameter)
+                        moved[id(value)] = _Spilled(key, value.device, value.requires_grad, is_param)
+                    saved[name] = moved[id(value)]
 
     def restore(self) -> None:
+        loaded: dict[tuple, torch.Tensor] = {}
         for module, attrs, params, buffers, children in self.modules:
             _refill(vars(module), attrs)
+            params, buffers = self._unspilled(params, loaded), self._unspilled(buffers, loaded)
             for live, saved in ((module._parameters, params), (module._buffers, buffers), (module._modules, children)):
                 _refill(live, saved)
         _refill(vars(self.model.config), self.config)
         self.model.__class__ = self.cls
+
+    def _unspilled(self, saved: dict, loaded: dict[tuple, torch.Tensor]) -> dict:
+        """``saved`` with every spilled entry read back from the store (one object per stored tensor)."""
+        out = dict(saved)
+        for name, value in saved.items():
+            if isinstance(value, _Spilled):
+                if value.key not in loaded:
+                    tensor = self.store.get(value.key, value.device)["value"]
+                    if value.parameter:
+                        tensor = nn.Parameter(tensor, requires_grad=value.requires_grad)
+                    loaded[value.key] = tensor
+                out[name] = loaded[value.key]
+        return out
 
 
 def _refill(live: dict, saved: dict) -> None:

@@ -47,9 +47,11 @@ def drop_layers(model: nn.Module, adapter: HeadAdapter, drop: Iterable[int]) -> 
     """Remove the blocks ``drop`` (current numbering) and renumber everything that indexes layers.
 
     The kept blocks' ``layer_idx`` attributes (the KV cache slot of each attention) become their
-    new positions; ``config.num_hidden_layers`` (GPT-2 ``n_layer``), ``config.layer_types`` and
-    Qwen2's ``max_window_layers`` describe the new stack, so ``DynamicCache(config=...)`` and the
-    per-layer attention masks line up. The ModuleList and config lists are replaced, not mutated.
+    new positions; ``config.num_hidden_layers`` (GPT-2 ``n_layer``), ``config.layer_types``,
+    Qwen2's ``max_window_layers`` and Qwen2/3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``
+    describe the new stack, so ``DynamicCache(config=...)``, the per-layer attention masks and a
+    class built from the config (a reload) line up. The ModuleList and config lists are replaced,
+    not mutated.
     """
     gone = set(drop)
     stack = adapter.layer_stack()
@@ -68,3 +70,18 @@ def drop_layers(model: nn.Module, adapter: HeadAdapter, drop: Iterable[int]) -> 
     if types is not None:
         config.layer_types = [t for i, t in enumerate(types) if i not in gone]
     config.num_hidden_layers = len(kept)
+    if isinstance(getattr(config, "mlp_only_layers", None), list):
+        _renumber_sparse_layers(config, adapter, gone, old)
+
+
+def _renumber_sparse_layers(config, adapter: HeadAdapter, gone: set[int], old: int) -> None:
+    """Qwen2/3-MoE: layer ``i`` is dense when ``i in mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``;
+    renumber the list, and where the step no longer lands on the kept MoE layers, state every dense layer
+    in the list with step 1, so each kept block is rebuilt as the kind it is."""
+    new = {i: i - sum(1 for g in gone if g < i) for i in range(old) if i not in gone}
+    listed = [new[i] for i in config.mlp_only_layers if i in new]
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = [j for j in range(len(new)) if not adapter.num_experts(j)]
+    if [j for j in range(len(new)) if j in listed or (j + 1) % step] != dense:
+        listed, config.decoder_sparse_step = dense, 1
+    config.mlp_only_layers = listed

@@ -143,8 +143,19 @@ class ExpertsUnit(Unit):
         return changes
 
     def rebuild(self, adapter: HeadAdapter, layer: int, orig: int, record: PruningRecord) -> None:
-        if record.pruned_experts.get(orig):
-            apply_experts(adapter, layer, record.kept_experts(orig))
+        """Slice a freshly built layer to the record's experts; one the config already built at the kept count
+        (one count in every MoE layer, which the config states) stays as it is."""
+        if not record.pruned_experts.get(orig):
+            return
+        kept, count = record.kept_experts(orig), adapter.num_experts(layer)
+        if count == len(kept):
+            return
+        if count != record.num_experts:
+            raise ValueError(
+                f"layer {layer}: the config builds {count} experts, the pruning record keeps {len(kept)} of "
+                f"{record.num_experts}"
+            )
+        apply_experts(adapter, layer, kept)
 
     # -- reload routes ------------------------------------------------------------------------------
 
@@ -158,21 +169,29 @@ class ExpertsUnit(Unit):
         return None
 
     def state_config(self, model: nn.Module, adapter: HeadAdapter, record: PruningRecord, stock: bool) -> None:
-        """Set the config's expert count: the kept count on the stock route, the original on the remote-code one."""
+        """Set the config's expert count and the load-balancing loss's to match the layers.
+
+        One count in every MoE layer: the config and ``*ForCausalLM.num_experts`` (what transformers'
+        load-balancing loss sizes its per-expert sums with) state it, on either route (the remote-code
+        rebuild then leaves the built layers as they are). Different counts: the config keeps the original
+        (the rebuild slices each layer from it) and the loss runs over the layers' router logits padded
+        with never-chosen experts (logit ``-inf``) to the largest count, ``num_experts`` that count
+        (:func:`pad_router_logits`): transformers' formula as it stands, which a uniform cut gives unchanged."""
         if adapter.config_experts_key is None or record.num_experts is None:
             return
         counts = adapter.expert_counts()
-        count = counts[0] if stock and counts else record.num_experts
+        uneven = len(set(counts)) > 1
+        count = counts[0] if counts and not uneven else record.num_experts
         setattr(model.config, adapter.config_experts_key, count)
         if isinstance(getattr(model, "num_experts", None), int):  # *ForCausalLM's load-balancing loss reads it
-            model.num_experts = count
-        if len(set(counts)) > 1 and getattr(model.config, "output_router_logits", False):
-            # transformers' load-balancing loss stacks every layer's router logits: one expert count only.
-            model.config.output_router_logits = False
-            logger.warning(
-                "sinv_prune: MoE layers now keep different expert counts, which transformers' load-balancing loss "
-                "cannot take; output_router_logits is off, so fine-tuning trains without it"
-            )
+            model.num_experts = max(counts) if uneven else count
+        _pad_router_logits_when(adapter.base, uneven)
+        if counts or not getattr(model.config, "output_router_logits", False):
+            return
+        # with no router logits at all, transformers' load-balancing loss indexes an empty tuple
+        model.config.output_router_logits = False
+        logger.warning("sinv_prune: no mixture-of-experts layer is left, so there is no load-balancing loss to "
+                       "compute; output_router_logits is off, so fine-tuning trains without it")  # fmt: skip
 
     # -- words ------------------------------------------------------------------------------------
 
@@ -201,6 +220,30 @@ class ExpertChange:
     removed: list[int]
     removed_original: list[int]
     kept: int
+
+
+def pad_router_logits(module: nn.Module, args, output):
+    """A forward hook on a MoE model's base model: each layer's router logits in ``output.router_logits``
+    padded with ``-inf`` columns to the widest layer's count, so transformers' load-balancing loss (one
+    expert count for every layer) takes layers that keep different counts; a padded expert has probability
+    0 and is never in a top k. The MoE blocks route from the routers' own outputs, which stay as they are."""
+    logits = getattr(output, "router_logits", None)
+    if logits:
+        width = max(t.shape[-1] for t in logits)
+        output.router_logits = tuple(
+            nn.functional.pad(t, (0, width - t.shape[-1]), value=float("-inf")) for t in logits
+        )
+    return output
+
+
+def _pad_router_logits_when(base: nn.Module, on: bool) -> None:
+    """Register :func:`pad_router_logits` on ``base`` once (``on``), or take it off."""
+    present = [key for key, hook in base._forward_hooks.items() if hook is pad_router_logits]
+    if on and not present:
+        base.register_forward_hook(pad_router_logits)
+    elif not on:
+        for key in present:
+            del base._forward_hooks[key]
 
 
 def apply_experts(adapter: HeadAdapter, layer: int, keep: list[int]) -> None:

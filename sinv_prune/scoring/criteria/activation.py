@@ -12,6 +12,7 @@ from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import linear_weight
 from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, model_device, observe
 from sinv_prune.scoring.criteria.registry import register_criterion
+from sinv_prune.scoring.criteria.walk import walk_layers
 from sinv_prune.units import get_unit
 from sinv_prune.units.mlp import MLP
 
@@ -80,6 +81,21 @@ class ActivationCriterion(Criterion):
         ]
         observe(model, batch, hooks)
         self._merge(seen, [width for _, _, width in sites])
+
+    walks_layers = True
+
+    def update_layers(self, model: nn.Module, batches: list[Mapping[str, Any]]) -> None:
+        """:meth:`update` over every batch, one block at a time (:mod:`~sinv_prune.scoring.criteria.walk`)."""
+        sites = self._sites(get_adapter(model))
+        seen: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in batches]
+
+        def attach(layer: int, j: int, feed: dict) -> list:
+            module, groups, _ = sites[layer]
+            return [module.register_forward_pre_hook(_collect(seen[j], layer, groups, feed))] if groups else []
+
+        walk_layers(model, batches, attach, desc="activation")
+        for per_batch in seen:
+            self._merge(per_batch, [width for _, _, width in sites])
 
     def scores(self, model: nn.Module) -> Scores:
         if self._stats is None:

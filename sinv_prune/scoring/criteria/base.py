@@ -60,12 +60,20 @@ class Criterion:
 
     needs_data: ClassVar[bool] = False
     needs_trace: ClassVar[bool] = False
+    #: Whether :meth:`update_layers` can read the batches one block at a time (see :mod:`.walk`).
+    walks_layers: ClassVar[bool] = False
+    #: :meth:`compute` walks the blocks one at a time where the criterion can (set per instance).
+    layer_by_layer: bool = False
 
     def reset(self) -> None:
         """Forget everything accumulated from batches."""
 
     def update(self, model: nn.Module, batch: Mapping[str, Any]) -> None:
         """Accumulate statistics from one batch (a no-op for data-free criteria)."""
+
+    def update_layers(self, model: nn.Module, batches: list[Mapping[str, Any]]) -> None:
+        """Accumulate statistics from every batch, one block at a time (where ``walks_layers``)."""
+        raise ValueError(f"criterion {self.name!r} cannot read its batches one block at a time")
 
     def scores(self, model: nn.Module) -> Scores:
         """Scores of ``self.unit`` in the format of the module docstring; higher = keep."""
@@ -76,12 +84,19 @@ class Criterion:
         return {}
 
     def compute(
-        self, model: nn.Module, batches: Iterable[Mapping[str, Any]] | None = None, trace: TraceLike | None = None
+        self,
+        model: nn.Module,
+        batches: Iterable[Mapping[str, Any]] | None = None,
+        trace: TraceLike | None = None,
+        *,
+        layer_by_layer: bool | None = None,
     ) -> Scores:
         """``reset``, ``update`` over ``batches`` (when data is needed), then ``scores``.
 
         ``trace`` replaces the criterion's trace where it needs one; inputs the
-        criterion does not need are ignored.
+        criterion does not need are ignored. ``layer_by_layer`` (default: the instance's
+        ``layer_by_layer``) reads the batches one block at a time (:meth:`update_layers`,
+        :mod:`~sinv_prune.scoring.criteria.walk`) instead of one whole-model forward per batch.
         """
         self.reset()
         if self.needs_trace and trace is not None:
@@ -91,10 +106,17 @@ class Criterion:
         if self.needs_data:
             if batches is None:
                 raise ValueError(f"criterion {self.name!r} needs data: pass batches")
-            seen = 0
-            for batch in batches:
-                self.update(model, batch)
-                seen += 1
+            walk = self.layer_by_layer if layer_by_layer is None else layer_by_layer
+            if walk:
+                batches = list(batches)
+                if batches:
+                    self.update_layers(model, batches)
+                seen = len(batches)
+            else:
+                seen = 0
+                for batch in batches:
+                    self.update(model, batch)
+                    seen += 1
             if not seen:
                 raise ValueError(f"criterion {self.name!r} needs data: batches was empty")
         return self.scores(model)

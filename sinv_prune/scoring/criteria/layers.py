@@ -12,6 +12,7 @@ from torch import nn
 from sinv_prune.arch import get_adapter
 from sinv_prune.scoring.criteria.base import Criterion, batch_to, model_device, observe
 from sinv_prune.scoring.criteria.registry import register_criterion
+from sinv_prune.scoring.criteria.walk import walk_layers
 
 
 @register_criterion("block_influence")
@@ -51,10 +52,27 @@ class BlockInfluenceCriterion(Criterion):
             block.register_forward_hook(_cosine(sums, i, mask), with_kwargs=True) for i, block in enumerate(blocks)
         ]
         observe(model, batch, hooks)
-        missing = [i for i in range(len(blocks)) if i not in sums]
+        self._add(sums, len(blocks))
+
+    walks_layers = True
+
+    def update_layers(self, model: nn.Module, batches: list[Mapping[str, Any]]) -> None:
+        """:meth:`update` over every batch, one block at a time (:mod:`~sinv_prune.scoring.criteria.walk`)."""
+        sums: list[dict[int, tuple]] = [{} for _ in batches]
+
+        def on_output(layer: int, j: int, feed: dict, x: torch.Tensor, y: torch.Tensor) -> None:
+            _cosine(sums[j], layer, feed.get("attention_mask"))(None, (x,), {}, y)
+
+        walk_layers(model, batches, on_output=on_output, desc="block_influence")
+        for per_batch in sums:
+            self._add(per_batch, get_adapter(model).num_layers)
+
+    def _add(self, sums: dict[int, tuple], count: int) -> None:
+        """Add one batch's per-block cosine sums."""
+        missing = [i for i in range(count) if i not in sums]
         if missing:
             raise ValueError(f"block_influence: blocks {missing} were not called in the forward pass")
-        total = torch.stack([sums[i][0] for i in range(len(blocks))])
+        total = torch.stack([sums[i][0] for i in range(count)])
         if self._cos is not None and self._cos.numel() != total.numel():
             raise ValueError("block_influence: the layer count changed between batches; call reset() after pruning")
         self._cos = total if self._cos is None else self._cos + total

@@ -24,6 +24,7 @@ from torch import nn
 from sinv_prune.arch import get_adapter
 from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, model_device, observe, unit_counts
 from sinv_prune.scoring.criteria.registry import register_criterion
+from sinv_prune.scoring.criteria.walk import walk_layers
 
 STATS = ("routed", "norm_sum", "gated_norm_sum")
 
@@ -52,21 +53,45 @@ class RoutingCriterion(Criterion):
         adapter = get_adapter(model)
         batch = batch_to(batch, model_device(model))
         batch.pop("labels", None)
+        counts = self._expert_counts(model)
+        seen: dict[int, dict[str, torch.Tensor]] = {}
+        logits: dict[int, torch.Tensor] = {}
+        mask = batch.get("attention_mask")
+        moe = [layer for layer, n in enumerate(counts) if n]
+        hooks = [hook for layer in moe for hook in self._hooks(adapter, layer, seen, logits, mask)]
+        observe(model, batch, hooks)
+        self._merge(seen, counts)
+
+    walks_layers = True
+
+    def update_layers(self, model: nn.Module, batches: list[Mapping[str, Any]]) -> None:
+        """:meth:`update` over every batch, one block at a time (:mod:`~sinv_prune.scoring.criteria.walk`)."""
+        adapter = get_adapter(model)
+        counts = self._expert_counts(model)
+        seen: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in batches]
+        logits: list[dict[int, torch.Tensor]] = [{} for _ in batches]
+        moe = [layer for layer, n in enumerate(counts) if n]
+
+        def attach(layer: int, j: int, feed: dict) -> list:
+            if not counts[layer]:
+                return []
+            return self._hooks(adapter, layer, seen[j], logits[j], feed.get("attention_mask"))
+
+        walk_layers(model, batches, attach, layers=moe, desc=self.name)
+        for per_batch in seen:
+            self._merge(per_batch, counts)
+
+    def _expert_counts(self, model: nn.Module) -> list[int]:
         counts = unit_counts(model, "experts")
         if not any(counts):
             raise ValueError(f"{self.name}: the model has no mixture-of-experts layers: there are no experts to score")
-        seen: dict[int, dict[str, torch.Tensor]] = {}
-        logits: dict[int, torch.Tensor] = {}
-        moe = [layer for layer, n in enumerate(counts) if n]
-        routers = moe if self.uses_gates else []
-        hooks = [adapter.router(layer).register_forward_hook(_keep_logits(logits, layer)) for layer in routers] + [
-            adapter.experts(layer).register_forward_pre_hook(
-                _collect(seen, logits, adapter, layer, batch.get("attention_mask"), self), with_kwargs=True
-            )
-            for layer in moe
-        ]
-        observe(model, batch, hooks)
-        self._merge(seen, counts)
+        return counts
+
+    def _hooks(self, adapter, layer: int, seen: dict, logits: dict, mask) -> list:
+        """The hooks of one MoE layer for one batch: the router's logits (where gates count), the experts' sums."""
+        hooks = [adapter.router(layer).register_forward_hook(_keep_logits(logits, layer))] if self.uses_gates else []
+        collect = _collect(seen, logits, adapter, layer, mask, self)
+        return [*hooks, adapter.experts(layer).register_forward_pre_hook(collect, with_kwargs=True)]
 
     def scores(self, model: nn.Module) -> Scores:
         if self._stats is None:
@@ -139,23 +164,36 @@ class ReapCriterion(RoutingCriterion):
     Score of expert ``e`` = the mean, over the calibration tokens routed to it, of its gate value
     times the norm of its output, ``mean_{x routed to e} g_e(x) ||f_e(x)||_2``: how much the expert
     adds to the layer's output when it is used, however often that is. An expert never routed scores
-    0 and goes first. ``g_e(x)`` is the router's softmax probability of ``e`` over all experts, as in
-    the authors' code; ``renormalize=True`` divides it by the sum over the token's top k (their
-    ``renormalize_router_weights``), which is the weight the layer applies where the model
-    renormalises (Mixtral; Qwen-MoE and OLMoE with ``norm_topk_prob``; GPT-OSS, whose softmax over the
-    top-k logits equals it). Data: calibration batches.
+    0 and goes first. ``g_e(x)`` is the router's softmax probability of ``e`` over all experts;
+    renormalised, it is divided by the sum over the token's top k (the authors'
+    ``renormalize_router_weights``), the weight the layer applies where the model renormalises
+    (Mixtral; Qwen-MoE and OLMoE with ``norm_topk_prob``; GPT-OSS, whose softmax over the top-k logits
+    equals it). ``renormalize=None`` (the default) decides as the authors' code does since their
+    "Renorm router logits by default": renormalised where the model's config sets ``norm_topk_prob``
+    (Qwen3-MoE checkpoints), the plain softmax otherwise (Mixtral and GPT-OSS included: their configs
+    have no ``norm_topk_prob``); ``true`` / ``false`` force either. Data: calibration batches.
 
     .. code-block:: yaml
 
         criterion: reap
-        options: {renormalize: false}
+        options: {renormalize: null}
     """
 
     uses_gates = True
 
-    def __init__(self, renormalize: bool = False):
+    def __init__(self, renormalize: bool | None = None):
+        if renormalize is not None and not isinstance(renormalize, bool):
+            raise ValueError(
+                f"reap: renormalize must be true, false or null (the model's norm_topk_prob), got {renormalize!r}"
+            )
+        #: The option as given; ``renormalize`` is what the batches seen so far were scored with.
+        self.option = renormalize
         self.renormalize = bool(renormalize)
         super().__init__()
+
+    def update(self, model: nn.Module, batch: Mapping[str, Any]) -> None:
+        self.renormalize = default_renormalize(model) if self.option is None else self.option
+        super().update(model, batch)
 
     def report(self) -> dict:
         gate = "softmax probability / its sum over the top k" if self.renormalize else "softmax probability"
@@ -178,6 +216,12 @@ class EanCriterion(RoutingCriterion):
 
     def _layer_scores(self, stats):
         return stats["norm_sum"].clone()
+
+
+def default_renormalize(model: nn.Module) -> bool:
+    """REAP's default gate (the authors' code): the top-k-renormalised weight where ``config.norm_topk_prob`` is
+    set, the plain softmax probability otherwise."""
+    return bool(getattr(model.config, "norm_topk_prob", False))
 
 
 def _inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,3 +287,30 @@ def _collect(store: dict, logits: dict, adapter, layer: int, mask, criterion: Ro
         }
 
     return hook
+
+
+def layer_hooks(criterion: RoutingCriterion, model: nn.Module, layer: int, seen: dict) -> tuple:
+    """The hooks :meth:`RoutingCriterion.update` puts on MoE layer ``layer``, unregistered, to run it alone.
+
+    ``(router forward hook or None, experts forward pre-hook with kwargs)``: a forward of the layer puts
+    its sums in ``seen[layer]``; add them up over batches with :func:`add_layer_sums`, turn them into
+    scores with :func:`layer_scores` (layer-wise calibration: :mod:`sinv_prune.surgery.layerwise`).
+    """
+    adapter = get_adapter(model)
+    logits: dict[int, torch.Tensor] = {}
+    router = _keep_logits(logits, layer) if criterion.uses_gates else None
+    return router, _collect(seen, logits, adapter, layer, None, criterion)
+
+
+def add_layer_sums(total: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One layer's sums of a batch added to those of the batches before (None: the first)."""
+    if total is None:
+        return dict(new)
+    return {key: total[key] + new[key] for key in (*STATS, "tokens")}
+
+
+def layer_scores(criterion: RoutingCriterion, sums: dict[str, torch.Tensor]) -> list[float]:
+    """The criterion's scores of one layer's experts from its sums over every batch."""
+    if criterion.name == "frequency":
+        raise ValueError("frequency: layer_scores needs the token count of every layer; use scores()")
+    return [float(x) for x in criterion._layer_scores(sums).cpu()]

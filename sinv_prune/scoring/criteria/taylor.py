@@ -44,6 +44,12 @@ class TaylorCriterion(Criterion):
     masked LM then scores plain reconstruction, so pass masked ``labels`` for MLM); other
     heads need ``labels`` in the batch, or pass ``loss_fn(model, batch) -> loss``.
 
+    **Memory**: the loss's gradient runs back through the whole model, so there is no
+    one-block-at-a-time pass (``compute(..., layer_by_layer=True)`` is refused): the whole model
+    sits on its device, and per batch autograd keeps every layer's activations that the backward
+    needs (hidden states, MLP intermediates, attention weights in eager attention), which grows
+    with depth and with batch x sequence length. Use small batches on large models.
+
     .. code-block:: yaml
 
         criterion: taylor
