@@ -72,6 +72,9 @@ def test_offloaded_llama_prunes_like_in_memory(how, tmp_path):
     summary = sinv_prune.prune(model, PLAN_LLAMA)
     assert summary.params_after == sinv_prune.count_parameters(reference)
     assert any(p.device.type == "meta" for p in model.parameters())  # still offloaded after the cut
+    again = {"heads": {0: [0, 2]}, "layers": [1]}  # pruning composes: current numbering, blocks renumbered
+    sinv_prune.prune(reference, again)
+    sinv_prune.prune(model, again)
     assert_same(model, reference, model_inputs(), tmp_path)
 
 
@@ -134,6 +137,7 @@ def test_prune_offload_argument_and_device_map(tmp_path):
     sinv_prune.prune(model, PLAN_LLAMA, offload="disk", offload_folder=tmp_path / "f")
     assert all(p.device.type == "meta" for p in model.model.layers.parameters())
     assert model.model.embed_tokens.weight.device.type == "cpu"
+    assert list((tmp_path / "f" / "sinv_prune_cuts").glob("*.safetensors"))  # the cut blocks, in new files
     assert_same(model, reference, model_inputs(), tmp_path)
     with pytest.raises(ValueError, match="offload must be one of none, cpu, disk"):
         sinv_prune.prune(copy.deepcopy(base), PLAN_LLAMA, offload="gpu")
@@ -146,7 +150,8 @@ def test_meta_weights_without_a_hook_are_refused():
     proj = model.model.layers[1].mlp.up_proj
     proj.weight = torch.nn.Parameter(torch.empty_like(proj.weight, device="meta"))
     assert "no accelerate offload hook holds it" in offloaded_reason(model)
-    with pytest.raises(ValueError, match="cannot prune this model: layer 1: .*meta device"):
+    refusal = r"cannot prune this model: model\.layers\.1\.mlp\.up_proj\.weight is on the meta device"
+    with pytest.raises(ValueError, match=refusal):
         sinv_prune.prune(model, PLAN_LLAMA)
 
 
@@ -166,6 +171,17 @@ def test_from_pretrained_offloaded_loads_blocks_off_the_device(mode, tmp_path):
     sinv_prune.prune(reference, PLAN_LLAMA)
     sinv_prune.prune(model, PLAN_LLAMA)
     assert_same(model, reference, inputs, tmp_path)
+
+
+def test_from_pretrained_passes_a_device_map_and_its_offload_folder_to_transformers(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "src")
+    device_map = {name: "cpu" for name in ("model.embed_tokens", "model.layers.0", "model.layers.2", "model.norm",
+                                           "model.rotary_emb", "lm_head")}  # fmt: skip
+    device_map["model.layers.1"] = "disk"
+    model = sinv_prune.from_pretrained(tmp_path / "src", device_map=device_map, offload_folder=tmp_path / "off")
+    assert model.model.layers[1].mlp.up_proj.weight.device.type == "meta" and is_offloaded(model)
+    with pytest.raises(ValueError, match="do not also give device_map"):
+        sinv_prune.from_pretrained(tmp_path / "src", device_map=device_map, offload="disk")
 
 
 def test_cli_prune_and_shrink_offload(tmp_path):
@@ -202,3 +218,26 @@ def test_recipe_device_map_that_offloads_is_still_refused(tmp_path):
     model = offloaded(tiny_model("llama"), "disk", tmp_path)
     assert "it offloads weights" in unloadable_reason(model)
     assert unloadable_reason(tiny_model("llama")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+def test_offload_next_to_a_gpu_keeps_the_blocks_off_it(mode, tmp_path):
+    """On a GPU, only the embeddings, norm and head live there; the blocks come for their turn and go back."""
+    base = tiny_model("llama")
+    reference = copy.deepcopy(base)
+    model = copy.deepcopy(base).cuda()
+    folder = tmp_path / "f" if mode == "disk" else None
+    sinv_prune.prune(reference, PLAN_LLAMA)
+    sinv_prune.prune(model, PLAN_LLAMA, offload=mode, offload_folder=folder)
+    assert all(p.device.type == "meta" for p in model.model.layers.parameters())
+    assert model.model.embed_tokens.weight.device.type == "cuda"
+    inputs = model_inputs()
+    got = model_output(model, {k: v.cuda() for k, v in inputs.items()}).cpu()
+    torch.testing.assert_close(got, model_output(reference, inputs), atol=1e-4, rtol=1e-4)
+    base.save_pretrained(tmp_path / "src")
+    again = tmp_path / "g" if mode == "disk" else None
+    loaded = sinv_prune.from_pretrained(tmp_path / "src", offload=mode, offload_folder=again)
+    assert all(p.device.type == "meta" for p in loaded.model.layers.parameters())
+    assert loaded.model.embed_tokens.weight.device.type == "cuda"

@@ -222,10 +222,13 @@ def from_pretrained(
     (``offload_folder``; safetensors checkpoints are read in place) behind accelerate's hooks and the
     rest onto ``offload_device`` (default: the first GPU, else the CPU), through a ``device_map``
     (:mod:`sinv_prune.surgery.offload`): the model is never whole on the device, and with disk
-    never whole in host RAM. Not with ``device_map=`` (give one or the other).
+    never whole in host RAM. Not with ``device_map=`` (give one or the other; with a ``device_map``,
+    ``offload_folder`` is transformers' own).
     """
     from sinv_prune.surgery.offload import check_offload, offload_load_kwargs
 
+    if offload == "none" and offload_folder is not None:  # transformers' own, for a device_map with "disk"
+        kwargs["offload_folder"], offload_folder = offload_folder, None
     check_offload(offload, offload_folder)
     if offload != "none" and kwargs.get("device_map") is not None:
         raise ValueError(f"offload={offload!r} places the model itself; do not also give device_map")

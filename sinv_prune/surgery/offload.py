@@ -293,6 +293,9 @@ def onloaded(module: nn.Module, root: nn.Module | None = None) -> Iterator[nn.Mo
             if h is not None and id(m) not in seen and h.place_submodules and any(s is module for s in m.modules()):
                 owners.append((m, h))
     if not owners:
+        if any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers())):
+            raise ValueError(f"cannot bring {type(module).__name__} in: a hook above it offloads its weights; "
+                             "offload whole blocks or smaller modules (a device_map down to the blocks)")  # fmt: skip
         yield module
         return
     brought: list[tuple[nn.Module, Any, dict[str, torch.Tensor]]] = []
@@ -401,6 +404,9 @@ def apply_offload(
 
     device_map = offload_device_map(model, mode, device)
     kwargs: dict[str, Any] = {"main_device": _map_value(device)}
+    if mode == "cpu":  # the blocks' weights in host RAM, wherever they are now (dispatch_model keeps them in place)
+        blocks = tuple(f"{name}." for name, where in device_map.items() if where == "cpu")
+        kwargs["state_dict"] = {k: v.to("cpu") for k, v in model.state_dict().items() if k.startswith(blocks)}
     if mode == "disk":
         kwargs["offload_dir"] = _new_folder(folder)
     skip = getattr(model, "_skip_keys_device_placement", None)

@@ -372,13 +372,9 @@ def unprunable_reason(model: nn.Module, adapter: HeadAdapter) -> str | None:
             f"it is quantized ({getattr(method, 'value', method)}); prune the unquantized model "
             "(GGUF files load as float models through sinv_prune.from_pretrained)"
         )
-    for layer, block in enumerate(adapter.layers()):
-        reason = offloaded_reason(block)
-        if reason:
-            return f"layer {layer}: {reason} at or below its block; offload whole blocks (or load every weight)"
     reason = offloaded_reason(model)
     if reason:
-        return f"{reason} (never loaded?); load every weight onto a real device"
+        return f"{reason} (never loaded?); load every weight onto a real device, or offload it with accelerate"
     for layer in range(adapter.num_layers):
         for module in [*adapter.touched_modules(layer), *adapter.mlp_modules(layer)]:
             for name, param in module.named_parameters():
