@@ -113,7 +113,7 @@ def test_model_built_under_init_empty_weights_is_refused():
     config = tiny_model("llama").config
     with accelerate.init_empty_weights():
         model = transformers.LlamaForCausalLM(config)
-    _refused(model, r"cannot prune this model: layer 0: .* is on the meta device and no accelerate offload hook holds it")
+    _refused(model, r"cannot prune this model: model\.embed_tokens\.weight is on the meta device")
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -121,7 +121,7 @@ def test_model_with_an_offloaded_layer_is_refused(arch):
     model = fresh(arch)
     get_adapter(model).layers()[2].to("meta")  # what accelerate's offload leaves behind
     layer0 = {k: v.clone() for k, v in get_adapter(model).layers()[0].state_dict().items()}
-    _refused(model, r"layer 2: .* is on the meta device and no accelerate offload hook holds it", {0: list(range(layouts(model)[0].group_size))})
+    _refused(model, r"\.2\..* is on the meta device", {0: list(range(layouts(model)[0].group_size))})
     assert all(torch.equal(v, get_adapter(model).layers()[0].state_dict()[k]) for k, v in layer0.items())
 
 
