@@ -291,11 +291,12 @@ def test_cli_shrinks_from_text_and_refuses_bad_input(tmp_path, monkeypatch):
     tokenizer.save_pretrained(source)
     out = tmp_path / "small"
     args = ["shrink", str(source), str(out), "--params", "0.3", "--calibration", str(text), "--sequences", "8",
-            "--length", "32", "--budget", "6", "-q"]  # fmt: skip
+            "--length", "32", "--budget", "6", "--statistics-dtype", "float64", "-q"]  # fmt: skip
     done = CliRunner().invoke(main, args)
     assert done.exit_code == 0, done.output
     assert "share of the cut" in done.output
     assert (out / "shrink.json").is_file() and (out / "tokenizer.json").is_file()
+    assert json.loads((out / "shrink.json").read_text())["settings"]["statistics_dtype"] == "float64"
     assert sinv_prune.from_pretrained(out).num_parameters() < tiny_llama().num_parameters()
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 2 and "--overwrite" in again.output

@@ -306,7 +306,7 @@ def shrink(
         settings={"units": list(units), "multiple": multiple, "min_mlp": min_mlp, "sequences": len(seqs),
                   "length": length, "holdout": holdout, "fitness_tokens": int(fit_batch.numel()),
                   "heldout_tokens": sum(s.numel() for s in held_seqs), "time_limit": time_limit,
-                  "fitness_blocks_run": blocks_run},
+                  "fitness_blocks_run": blocks_run, "statistics_dtype": str(stats.dtype).removeprefix("torch.")},
     )  # fmt: skip
     result.summary = summary  # the removal's PruneSummary (not fields: to_dict leaves them out)
     result.statistics = stats if keep_statistics else None
