@@ -8,6 +8,11 @@ kernel's peak (``ru_maxrss``; it also counts any higher peak before ``prune``). 
 ``prune`` takes it (older code does not), so the same script measures before and after.
 
     python scripts/measure_prune_memory.py --layers 4 16 --store cpu disk
+    MALLOC_MMAP_THRESHOLD_=131072 python scripts/measure_prune_memory.py --layers 4 16 --store cpu disk
+
+glibc raises its mmap threshold when large blocks are freed, and from then on keeps freed memory in
+its heap: RSS then grows with what was ever allocated, not only with what is alive. A fixed
+``MALLOC_MMAP_THRESHOLD_`` (second line) turns that off, so the overhead counts live memory more closely.
 """
 
 from __future__ import annotations
