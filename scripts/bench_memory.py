@@ -191,7 +191,7 @@ def run_tool(model, spec: dict) -> dict:
     tool = spec["tool"]
     if tool == "shrink":
         kwargs = {}
-        if spec.get("offload") and "offload" in inspect.signature(sinv_prune.shrink).parameters:
+        if spec.get("offload", "none") != "none" and offload_supported():
             kwargs["offload"] = spec["offload"]
         found = sinv_prune.shrink(model, spec["cut"], calibration=seqs, sequences=len(seqs), length=spec["seq_len"],
                                   budget=spec["budget"], seed=spec["seed"], quiet=True, **kwargs)  # fmt: skip
@@ -272,9 +272,19 @@ def specs(args) -> list[dict]:
             moe = {"family": "qwen3_moe", **QWEN3_30B_A3B, "layers": args.large_moe_layers,
                    "shape": "Qwen3-30B-A3B shape"}  # fmt: skip
             out.append({**shared, **moe, "tool": "reap"})
+    if offload != "none" and not offload_supported():
+        print(f"note: the installed shrink takes no offload=; --offload {offload} is not applied (rows run as none)")
+        offload = "none"
     for s in out:
         s["offload"] = offload
     return out
+
+
+def offload_supported() -> bool:
+    """Whether the installed :func:`sinv_prune.shrink` takes ``offload=``."""
+    import sinv_prune
+
+    return "offload" in inspect.signature(sinv_prune.shrink).parameters
 
 
 def parameter_count(spec: dict) -> int:
