@@ -289,6 +289,8 @@ def predict(
     device_terms["weights kept"] = kept
     on_cpu = not str(device).startswith("cuda")
     if on_cpu:  # one memory
+        if task == "shrink" and layerwise:  # the layer's statistics are accumulated where they are kept
+            device_terms.pop("statistics (one layer)", None)
         for k, v in device_terms.items():
             host_terms[k] = host_terms.get(k, 0) + v
         if offload != "none":  # the block "on the device" is the host's own copy
