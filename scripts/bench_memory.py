@@ -16,7 +16,9 @@ growth over the shallowest depth, the time, and the overhead the memory model
 bfloat16 shrunk with ``--offload`` (passed only where the installed ``shrink`` takes ``offload=``), and a
 Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8, 32 / 4 heads, ``--large-moe-layers`` layers)
 cut by REAP in bfloat16. Before each row the script prints what it expects the row to take (from the rows
-already measured, scaled by the parameter count), and at the end the total.
+already measured, scaled by the parameter count), and at the end the total and, per tool, what 32 layers of
+the measured width would take (a line through the measured depths; the width is not extrapolated, the OBS
+solves being cubic in it).
 
     nice -n 10 python scripts/bench_memory.py --threads 1                 # the small table
     python scripts/bench_memory.py --only large --device cuda --offload none
@@ -379,6 +381,8 @@ def main(argv=None) -> int:
         rows = [{**r, "predicted": predicted(r["spec"])} for r in saved["rows"]]
         print(f"$ {saved['command']}\n")
         print(render(rows))
+        for line in projections(rows):
+            print(line)
         return 0
     command = common.command_line("scripts/bench_memory.py", argv)
     common.set_threads(args.threads)
@@ -411,9 +415,29 @@ def main(argv=None) -> int:
     print(render(results))
     total = sum(r["wall_s"] for r in results)
     print(f"\ntotal {total:.0f} s ({total / 60:.1f} min) for {len(results)} rows")
+    for line in projections(results):
+        print(line)
     common.finish(info)
     common.write_json(args.json, {"command": command, "machine": info, "settings": vars(args), "rows": results})
     return 0 if all("error" not in r for r in results) else 1
+
+
+def projections(results: list[dict], depth: int = 32) -> list[str]:
+    """Per tool, the time a ``depth``-layer model of the measured width would take: a line through the measured
+    (layers, seconds) points (least squares). The width is not extrapolated: the OBS solves are cubic in it."""
+    lines = []
+    for tool in TOOLS:
+        points = [(r["spec"]["layers"], r["seconds"]) for r in results if r["spec"]["tool"] == tool and "seconds" in r]
+        if len({x for x, _ in points}) < 2:
+            continue
+        mx = sum(x for x, _ in points) / len(points)
+        my = sum(y for _, y in points) / len(points)
+        slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+        at = my + slope * (depth - mx)
+        lines.append(
+            f"{tool}: {slope:.1f} s a layer here; {depth} layers of this width: ~{at:.0f} s ({at / 60:.0f} min)"
+        )
+    return lines
 
 
 def render(results: list[dict]) -> str:
