@@ -317,7 +317,8 @@ def predicted(spec: dict) -> dict | None:
     held = max(1, spec["sequences"] // 8)  # shrink's held-out share (1/8); its fitness batch: 4 of them, <= 256 tokens
     options = dict(sequences=spec["sequences"], length=spec["seq_len"], device=spec["device"],
                    offload=spec.get("offload") or "none",
-                   fitness_tokens=min(held, 4) * min(256, spec["seq_len"]))  # fmt: skip
+                   fitness_tokens=min(held, 4) * min(256, spec["seq_len"]),
+                   kept_share=1 - spec["cut"] if spec["tool"] == "shrink" else 0.75)  # fmt: skip
     out = {}
     for design, layerwise in (("layerwise", True), ("whole", False)):
         pred = memory_model.predict(shape, task, layerwise=layerwise, **options)
