@@ -16,7 +16,9 @@ growth over the shallowest depth, the time, and the overhead the memory model
 bfloat16 shrunk with ``--offload`` (passed only where the installed ``shrink`` takes ``offload=``), and a
 Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8, 32 / 4 heads, ``--large-moe-layers`` layers)
 cut by REAP in bfloat16. Before each row the script prints what it expects the row to take (from the rows
-already measured, scaled by the parameter count), and at the end the total.
+already measured, scaled by the parameter count), and at the end the total and, per tool, what 32 layers of
+the measured width would take (a line through the measured depths; the width is not extrapolated, the OBS
+solves being cubic in it).
 
     nice -n 10 python scripts/bench_memory.py --threads 1                 # the small table
     python scripts/bench_memory.py --only large --device cuda --offload none
@@ -191,7 +193,7 @@ def run_tool(model, spec: dict) -> dict:
     tool = spec["tool"]
     if tool == "shrink":
         kwargs = {}
-        if spec.get("offload") and "offload" in inspect.signature(sinv_prune.shrink).parameters:
+        if spec.get("offload", "none") != "none" and offload_supported():
             kwargs["offload"] = spec["offload"]
         found = sinv_prune.shrink(model, spec["cut"], calibration=seqs, sequences=len(seqs), length=spec["seq_len"],
                                   budget=spec["budget"], seed=spec["seed"], quiet=True, **kwargs)  # fmt: skip
@@ -272,9 +274,19 @@ def specs(args) -> list[dict]:
             moe = {"family": "qwen3_moe", **QWEN3_30B_A3B, "layers": args.large_moe_layers,
                    "shape": "Qwen3-30B-A3B shape"}  # fmt: skip
             out.append({**shared, **moe, "tool": "reap"})
+    if offload != "none" and not offload_supported():
+        print(f"note: the installed shrink takes no offload=; --offload {offload} is not applied (rows run as none)")
+        offload = "none"
     for s in out:
         s["offload"] = offload
     return out
+
+
+def offload_supported() -> bool:
+    """Whether the installed :func:`sinv_prune.shrink` takes ``offload=``."""
+    import sinv_prune
+
+    return "offload" in inspect.signature(sinv_prune.shrink).parameters
 
 
 def parameter_count(spec: dict) -> int:
@@ -305,7 +317,8 @@ def predicted(spec: dict) -> dict | None:
     held = max(1, spec["sequences"] // 8)  # shrink's held-out share (1/8); its fitness batch: 4 of them, <= 256 tokens
     options = dict(sequences=spec["sequences"], length=spec["seq_len"], device=spec["device"],
                    offload=spec.get("offload") or "none",
-                   fitness_tokens=min(held, 4) * min(256, spec["seq_len"]))  # fmt: skip
+                   fitness_tokens=min(held, 4) * min(256, spec["seq_len"]),
+                   kept_share=1 - spec["cut"] if spec["tool"] == "shrink" else 0.75)  # fmt: skip
     out = {}
     for design, layerwise in (("layerwise", True), ("whole", False)):
         pred = memory_model.predict(shape, task, layerwise=layerwise, **options)
@@ -369,6 +382,8 @@ def main(argv=None) -> int:
         rows = [{**r, "predicted": predicted(r["spec"])} for r in saved["rows"]]
         print(f"$ {saved['command']}\n")
         print(render(rows))
+        for line in projections(rows):
+            print(line)
         return 0
     command = common.command_line("scripts/bench_memory.py", argv)
     common.set_threads(args.threads)
@@ -401,9 +416,29 @@ def main(argv=None) -> int:
     print(render(results))
     total = sum(r["wall_s"] for r in results)
     print(f"\ntotal {total:.0f} s ({total / 60:.1f} min) for {len(results)} rows")
+    for line in projections(results):
+        print(line)
     common.finish(info)
     common.write_json(args.json, {"command": command, "machine": info, "settings": vars(args), "rows": results})
     return 0 if all("error" not in r for r in results) else 1
+
+
+def projections(results: list[dict], depth: int = 32) -> list[str]:
+    """Per tool, the time a ``depth``-layer model of the measured width would take: a line through the measured
+    (layers, seconds) points (least squares). The width is not extrapolated: the OBS solves are cubic in it."""
+    lines = []
+    for tool in TOOLS:
+        points = [(r["spec"]["layers"], r["seconds"]) for r in results if r["spec"]["tool"] == tool and "seconds" in r]
+        if len({x for x, _ in points}) < 2:
+            continue
+        mx = sum(x for x, _ in points) / len(points)
+        my = sum(y for _, y in points) / len(points)
+        slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+        at = my + slope * (depth - mx)
+        lines.append(
+            f"{tool}: {slope:.1f} s a layer here; {depth} layers of this width: ~{at:.0f} s ({at / 60:.0f} min)"
+        )
+    return lines
 
 
 def render(results: list[dict]) -> str:

@@ -5,8 +5,8 @@
 #   3. the LLaMA-3-8B-shape figures (scripts/bench_scale.py --device cuda --shape llama3-8b): surgery,
 #      head_measures, criteria, pruned vs unpruned prefill / decode speed, in one table;
 #   4. peak memory and time in bf16 (scripts/bench_memory.py --only large --device cuda): a LLaMA-3-8B-shape
-#      shrink (MEMORY_ARGS' --large-layers, default 8: the whole-model statistics of 32 layers, 142 GiB in
-#      float64, fit no single GPU; 32 once shrink is layer-wise) and a Qwen3-30B-A3B-shape REAP expert cut
+#      shrink (MEMORY_ARGS' --large-layers, default 8: the whole-model float64 statistics of 32 layers fit no
+#      single GPU; 32 once shrink is layer-wise) and a Qwen3-30B-A3B-shape REAP expert cut
 #      (4 layers of 128 experts), with the memory model's predictions beside them.
 # Each step has its own time limit; a summary line per step at the end; exit status 1 if any failed.
 #

@@ -15,8 +15,7 @@ down projection (in = intermediate); ``L`` layers):
 * ``statistics`` (shrink): ``2 x s x sum_c ((in+b)^2 + (in+b) out)`` per layer (``b`` 1 where the consumer
   has a bias; fit and held-out Grams and cross products), kept for every layer: on the host (layer-wise; on
   disk with ``offload="disk"``, one layer in memory) or on the weights' device (whole-model, float64).
-  Layer-wise compensation holds one layer's at a time; the whole-model one was measured to keep every
-  layer's (its peak grows by one layer's float64 statistics a layer: ``scripts/bench_memory.py``).
+  Compensation holds one layer's at a time.
 * ``solve``: an OBS / refit solve on the widest consumer: 3 float64 ``in x in`` matrices (Gram, its factor,
   the inverse) on the device.
 * ``hidden``: the calibration hidden states on the host, ``copies x T x h x a`` (2 for statistics and criteria:
@@ -26,6 +25,8 @@ down projection (in = intermediate); ``L`` layers):
   routed experts' outputs in float32: ``+ b x length x top_k x (2 I_e + h) x 4``), plus a candidate's logits
   for shrink's fitness (``2 x fitness tokens x vocab x 4``, the reference and the candidate).
 * ``runtime``: :data:`RUNTIME_BYTES` on the host.
+* ``removal``: :func:`~sinv_prune.prune` writes the cut blocks' new weights and holds the old ones until it
+  returns (to undo a failed call): every block's size, an upper bound (a cut keeps less), where the model is.
 * ``weights kept``: what grows with depth by design: shrink's candidate and cached refit weights and
   compensation's undo copies, ``2 x sum over layers and consumers of in x out x a`` (shrink) or ``1 x``
   (compensation).
@@ -213,11 +214,13 @@ def predict(
     batch: int = 1,
     fitness_tokens: int = 1024,
     layerwise: bool = True,
+    kept_share: float = 1.0,
 ) -> Prediction:
     """Peak device and host memory of ``task`` (:data:`TASKS`: ``shrink``; ``compensate``, OBS / lsq refits at
     prune time; ``criterion``, a calibration-reading criterion; ``plain``, a removal without calibration) on
     ``shape`` with ``sequences`` x ``length`` calibration tokens, batches of ``batch`` sequences (shrink: 4).
-    ``fitness_tokens``: shrink's fitness batch (sequences x tokens)."""
+    ``fitness_tokens``: shrink's fitness batch (sequences x tokens); ``kept_share``: of the blocks' weights the cut
+    keeps, where known (1: the upper bound)."""
     if task not in TASKS:
         raise ValueError(f"task {task!r}: one of {', '.join(TASKS)}")
     if offload not in OFFLOADS:
@@ -250,8 +253,9 @@ def predict(
     copies = {"shrink": 2, "criterion": 2, "compensate": 3, "plain": 0}[task]
     hidden = copies * tokens * h * a
     kept = {"shrink": 2 * consumer_weights, "compensate": consumer_weights}.get(task, 0)
-    if task == "plain":  # slicing writes a layer's new weights before the old go
-        kept = max(shape.block_bytes, default=0)
+    # prune() replaces the cut blocks' weights and keeps the old ones until it returns (to undo a failed call):
+    # the new weights of every block, an upper bound (a cut keeps less)
+    removal = int(kept_share * sum(shape.block_bytes))
     block = max(shape.block_bytes, default=0)
 
     device_terms: dict[str, int] = {}
@@ -275,10 +279,8 @@ def predict(
             stats_where["statistics"] = stats_all
         if layerwise:
             device_terms["statistics (one layer)"] = stats_one
-    elif task == "compensate" and layerwise:
+    elif task == "compensate":
         device_terms["statistics (one layer)"] = stats_one
-    elif task == "compensate":  # measured: the whole-model pass's peak grows by one layer's statistics a layer
-        device_terms["statistics"] = stats_all
     host_terms["runtime"] = RUNTIME_BYTES
     if layerwise:
         host_terms["hidden states"] = hidden
@@ -287,8 +289,11 @@ def predict(
     device_terms["activations"] = activations + logits
     device_terms["solve"] = solve
     device_terms["weights kept"] = kept
+    (device_terms if offload == "none" else host_terms)["removal"] = removal
     on_cpu = not str(device).startswith("cuda")
     if on_cpu:  # one memory
+        if task == "shrink" and layerwise:  # the layer's statistics are accumulated where they are kept
+            device_terms.pop("statistics (one layer)", None)
         for k, v in device_terms.items():
             host_terms[k] = host_terms.get(k, 0) + v
         if offload != "none":  # the block "on the device" is the host's own copy
