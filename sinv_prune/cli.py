@@ -421,7 +421,8 @@ def offload_options(command):
         default="none",
         show_default=True,
         help="Keep the transformer blocks in host RAM (cpu) or on disk and bring one at a time to the GPU "
-        "(accelerate's offload hooks); the model is never whole on the GPU (disk: nor in RAM).",
+        "(accelerate's offload hooks); the model is never whole on the GPU (disk: nor in RAM). shrink refuses "
+        "offloaded blocks for now (its search swaps live weights).",
     )(command)
 
 
