@@ -75,6 +75,12 @@ def parse(argv):
     ap.add_argument("--offload", choices=("none", "cpu", "disk"), default=None,
                     help="shrink(offload=...) where the installed shrink takes it (default: disk with --only large "
                          "on the CPU, none otherwise)")  # fmt: skip
+    ap.add_argument(
+        "--store",
+        choices=("cpu", "disk"),
+        default="cpu",
+        help="store= of shrink and prune (where the per-layer statistics and prune's rollback copies wait)",
+    )
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="default float32 (small), bfloat16 (large)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     ap.add_argument("--threads", type=int, default=None)
@@ -192,7 +198,7 @@ def run_tool(model, spec: dict) -> dict:
     seqs = _calibration(spec)
     tool = spec["tool"]
     if tool == "shrink":
-        kwargs = {}
+        kwargs = {"store": spec["store"]} if takes("store", sinv_prune.shrink) else {}
         if spec.get("offload", "none") != "none" and offload_supported():
             kwargs["offload"] = spec["offload"]
         found = sinv_prune.shrink(model, spec["cut"], calibration=seqs, sequences=len(seqs), length=spec["seq_len"],
@@ -200,7 +206,8 @@ def run_tool(model, spec: dict) -> dict:
         return {"removed": found.removed, "offload": kwargs.get("offload", "not supported")}
     if tool == "obs":
         batches = [{"input_ids": s.view(1, -1)} for s in seqs]
-        summary = sinv_prune.prune(model, _obs_plan(model), calibration=batches, compensate="obs")
+        store = {"store": spec["store"]} if takes("store", sinv_prune.prune) else {}
+        summary = sinv_prune.prune(model, _obs_plan(model), calibration=batches, compensate="obs", **store)
         return {"removed": summary.params_removed if hasattr(summary, "params_removed") else None}
     batches = [{"input_ids": s.view(1, -1)} for s in seqs]
     pruner = Pruner([Part("experts", "reap", 0.25)])
@@ -252,7 +259,7 @@ def specs(args) -> list[dict]:
     """One spec per row, in the order they run."""
     shared = {"seq_len": args.seq_len, "sequences": args.calib_sequences, "budget": args.budget, "cut": args.cut,
               "seed": args.seed, "device": common.pick_device(args.device), "threads": args.threads,
-              "dtype": args.dtype}  # fmt: skip
+              "dtype": args.dtype, "store": args.store}  # fmt: skip
     out = []
     if args.only == "small":
         dense = {"family": "llama", "hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
@@ -280,6 +287,13 @@ def specs(args) -> list[dict]:
     for s in out:
         s["offload"] = offload
     return out
+
+
+def takes(name: str, fn) -> bool:
+    """Whether ``fn`` has a keyword argument ``name`` (older code runs without it)."""
+    import inspect
+
+    return name in inspect.signature(fn).parameters
 
 
 def offload_supported() -> bool:
@@ -392,8 +406,8 @@ def main(argv=None) -> int:
     common.print_header("peak memory beyond the model: shrink, OBS compensation, REAP", command, info)
     rows = specs(args)
     print(f"{len(rows)} rows, {args.calib_sequences} x {args.seq_len} calibration tokens, {args.dtype}, "
-          f"shrink budget {args.budget}, offload {rows[0]['offload'] if rows else '-'}; each row in its own "
-          "process", flush=True)  # fmt: skip
+          f"shrink budget {args.budget}, offload {rows[0]['offload'] if rows else '-'}, store {args.store}; "
+          "each row in its own process", flush=True)  # fmt: skip
     results, rate = [], {}  # rate: seconds per parameter of each tool, from the rows measured so far
     for spec in rows:
         params = parameter_count(spec)

@@ -43,6 +43,7 @@ from sinv_prune.surgery.consumer_statistics import Statistics, consumer_modules
 from sinv_prune.surgery.offload import apply_offload
 from sinv_prune.surgery.refit import consumer_weights, write_consumer
 from sinv_prune.surgery.removal import count_parameters, prune
+from sinv_prune.surgery.store import PLACES, Store
 from sinv_prune.units.experts import EXPERTS
 from sinv_prune.units.heads import HEADS
 from sinv_prune.units.layers import LAYERS
@@ -158,6 +159,7 @@ def shrink(
     keep_statistics: bool = False,
     offload: str = "none",
     offload_folder: str | None = None,
+    store: str = "cpu",
 ) -> ShrinkResult:
     """Remove ``params`` (a share, 0-1) of ``model``'s non-embedding parameters, or down to ``to`` parameters in
     all, in place, by the joint search of this module's docstring; returns a :class:`ShrinkResult`.
@@ -182,8 +184,13 @@ def shrink(
     ``offload``: ``none``, ``cpu`` or ``disk`` (``offload_folder``), applied first
     (:func:`~sinv_prune.surgery.offload.apply_offload`); the search swaps weights in the live model, so for now
     a model whose blocks are (or would be) offloaded is refused before anything changes.
+    ``store``: where the per-layer statistics wait between their pass and the search's solves, ``"cpu"``
+    (host memory) or ``"disk"`` (safetensors files in a temporary folder, one layer read back at a time), so
+    the host memory beyond the model does not grow with depth (:mod:`sinv_prune.surgery.store`).
     """
     start = time.perf_counter()
+    if store not in PLACES:
+        raise ValueError(f"store must be one of {', '.join(map(repr, PLACES))}, got {store!r}")
     apply_offload(model, offload, folder=offload_folder, unsupported="shrink's search")
     adapter = get_adapter(model)
     units = model_units(adapter) if units is None else tuple(units)
@@ -210,7 +217,8 @@ def shrink(
         if s.max_steps:
             orders[layer] = mlp_order(s, fits[MLP.name, layer][0], consumer_weights(adapter.mlp_out(layer))[0])
 
-    stats = statistics or Statistics(model, adapter, seqs, heldout, quiet=quiet, dtype=dtype, on_layer=on_layer)
+    stats = statistics or Statistics(model, adapter, seqs, heldout, quiet=quiet, dtype=dtype, on_layer=on_layer,
+                                     store=Store(store))  # fmt: skip
     if len(stats.influence) != adapter.num_layers:
         raise ValueError("statistics= come from another model (its layer count differs)")
     seconds["statistics"] = time.perf_counter() - t
@@ -288,7 +296,7 @@ def shrink(
         del sequential
     if summary is None:
         modules = consumer_modules(adapter)
-        summary = prune(model, plan)
+        summary = prune(model, plan, store=store)
         for key, (_, weight, bias) in refits.items():
             write_consumer(modules[key], weight, bias)
     seconds["compare and build"] = seconds.get("compare and build", 0.0) + time.perf_counter() - t
