@@ -540,7 +540,9 @@ def _memory_check(source: str, gguf_file: str | None, task: str, *, dry_run: boo
         if dry_run:
             raise UsageError(f"{source}: cannot read its config ({_one_line(err)})") from None
         return  # the load itself says what is wrong
-    lines, refused = dry_run_check(shape, task, device, sequences=sequences, length=length, offload=offload)
+    # shrink's search refuses offloaded blocks for now: its refusal offers fewer sequences only
+    lines, refused = dry_run_check(shape, task, device, sequences=sequences, length=length, offload=offload,
+                                   offload_option=None if task == "shrink" else "--offload {}")  # fmt: skip
     if dry_run:
         click.echo(f"{source}: {shape.layers} layers, {gib(shape.model_bytes)} of weights")
         for line in lines:

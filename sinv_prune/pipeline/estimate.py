@@ -703,5 +703,5 @@ def memory_check(recipe: Recipe, device: str) -> tuple[list[str], str | None]:
     shape = options.pop("shape")
     fewer = f"at most {{}} calibration sequences in arm {label} ({flag})"
     lines, refused = memory_model.dry_run_check(shape, task, device, sequences_option=fewer,
-                                                offload_option="--set model.offload={}", **options)  # fmt: skip
+                                                offload_option=None, **options)  # fmt: skip
     return [f"prune stage, memory of arm {label} ({task}, the largest):", *lines], refused

@@ -340,13 +340,14 @@ def fits(pred: Prediction, device_free: int | None, host_free: int | None) -> bo
 
 
 def refusal(shape: Shape, task: str, device_free: int | None, host_free: int | None, *,
-            sequences_option: str = "--sequences {} or fewer", offload_option: str = "--offload {}",
+            sequences_option: str = "--sequences {} or fewer", offload_option: str | None = "--offload {}",
             **options) -> str | None:  # fmt: skip
     """``None`` where the run fits; else one line: the predicted peak, what is free, the option that would fit.
 
     ``options`` are :func:`predict`'s; the alternatives tried in order: ``--offload cpu``, ``--offload disk``,
     then fewer calibration sequences (halved down to 2; ``sequences_option`` says how, ``{}`` the count) with the
-    last offload tried (``offload_option``: how the option is written, ``{}`` the mode).
+    last offload tried (``offload_option``: how the option is written, ``{}`` the mode; None where the command
+    cannot offload: only fewer sequences are offered then).
     """
     pred = predict(shape, task, **options)
     if fits(pred, device_free, host_free):
@@ -358,7 +359,7 @@ def refusal(shape: Shape, task: str, device_free: int | None, host_free: int | N
     )
     head = f"predicted peak memory {gib(peak)} on {where}, {gib(free or 0)} free"
     offload = options.get("offload", "none")
-    tries = [o for o in OFFLOADS if OFFLOADS.index(o) > OFFLOADS.index(offload)]
+    tries = [o for o in OFFLOADS if OFFLOADS.index(o) > OFFLOADS.index(offload)] if offload_option else []
     for other in tries:
         alt = predict(shape, task, **{**options, "offload": other})
         if fits(alt, device_free, host_free):
@@ -379,7 +380,7 @@ def _binding(pred: Prediction) -> int:
 
 
 def dry_run_check(shape: Shape, task: str, device: str, *, sequences_option: str = "--sequences {} or fewer",
-                  offload_option: str = "--offload {}", **options) -> tuple[list[str], str | None]:  # fmt: skip
+                  offload_option: str | None = "--offload {}", **options) -> tuple[list[str], str | None]:  # fmt: skip
     """The dry run's lines and the refusal (or None), with the memory free now on ``device`` and the host."""
     pred = predict(shape, task, device=device, **options)
     device_free, host_free = available_memory(device)
