@@ -61,6 +61,14 @@ SEEDS = f"{T_SHRINK}::test_target_met_within_one_mlp_step_by_every_seed_kind"
 FROM_SCRATCH = f"{T_SHRINK}::test_the_result_is_what_its_plan_built_from_scratch_gives"
 SEED_WINS = f"{T_SHRINK}::test_a_seed_that_wins_is_what_its_plan_built_from_scratch_gives"
 STOCK = f"{T_SHRINK}::test_stock_plans_reload_on_the_stock_class"
+# added for the survivors of the first run
+SECOND_CUT = f"{T_EXP}::test_a_second_expert_cut_records_original_ids_and_reloads"
+FLOOR = f"{T_EXP}::test_every_moe_layer_keeps_num_experts_per_tok"
+STEP = f"{T_EXP}::test_dropped_blocks_renumber_mlp_only_layers_and_keep_a_step_that_still_lands"
+WINDOW = "tests/test_plan_surgery.py::test_dropped_blocks_keep_max_window_layers_stating_the_full_attention_layers"
+LOWEST_REAP = f"{T_SHRINK_E}::test_the_experts_removed_are_those_with_the_lowest_reap_scores"
+# an existing test the first selection left out: the one case where a seed is kept over a different search result
+SEED_KEPT = f"{T_SHRINK}::test_the_result_is_what_its_plan_built_from_scratch_gives[0.3-2-mlp]"
 
 FAULTS: list[Fault] = [
     # -- surgery/shapes.py: renumbering after dropped blocks
@@ -76,7 +84,7 @@ FAULTS: list[Fault] = [
         "sinv_prune/surgery/shapes.py",
         "new = {i: i - sum(1 for g in gone if g < i)",
         "new = {i: i - sum(1 for g in gone if g < i - 1)",
-        (DROP,),
+        (STEP, DROP),
     ),
     Fault(
         "shapes: sparse-step test j % step instead of (j + 1) % step",
@@ -97,7 +105,7 @@ FAULTS: list[Fault] = [
         "sinv_prune/surgery/shapes.py",
         "for i in range(min(window, old)) if i not in gone)",
         "for i in range(min(window + 1, old)) if i not in gone)",
-        (T_MIXED,),
+        (WINDOW, T_MIXED),
     ),
     Fault(
         "shapes: shared expert left unsliced when one channel goes (off by one)",
@@ -133,14 +141,14 @@ FAULTS: list[Fault] = [
         "sinv_prune/units/experts.py",
         "removed_original = [kept_original[e] for e in removed]",
         "removed_original = list(removed)",
-        (T_MIXED,),
+        (SECOND_CUT, T_MIXED),
     ),
     Fault(
         "experts: floor of kept experts is top_k - 1",
         "sinv_prune/units/experts.py",
         "return max(top_k, min_per_layer or 0)",
         "return max(top_k - 1, min_per_layer or 0)",
-        (REFUSALS, ALLOCATIONS, PART),
+        (FLOOR, REFUSALS, ALLOCATIONS, PART),
     ),
     Fault(
         "experts: rebuild slices even when the config built the kept count",
@@ -308,7 +316,7 @@ FAULTS: list[Fault] = [
         "sinv_prune/shrink/statistics.py",
         "key=lambda e, row=row: (row[e], e)",
         "key=lambda e, row=row: (-row[e], e)",
-        (T_SHRINK_E,),
+        (LOWEST_REAP, T_SHRINK_E),
     ),
     Fault(
         "shrink: non-finite refit fallback not recorded",
@@ -329,7 +337,7 @@ FAULTS: list[Fault] = [
         "sinv_prune/shrink/search.py",
         "target=target, removed=space.removed(genome),",
         "target=target, removed=space.removed(best),",
-        (SEED_WINS,),
+        (SEED_WINS, SEED_KEPT),
     ),
     Fault(
         "shrink: stock repair skipped for the uniform seed",
