@@ -69,6 +69,7 @@ WINDOW = "tests/test_plan_surgery.py::test_dropped_blocks_keep_max_window_layers
 LOWEST_REAP = f"{T_SHRINK_E}::test_the_experts_removed_are_those_with_the_lowest_reap_scores"
 # an existing test the first selection left out: the one case where a seed is kept over a different search result
 SEED_KEPT = f"{T_SHRINK}::test_the_result_is_what_its_plan_built_from_scratch_gives[0.3-2-mlp]"
+SEED_OVER_SEARCH = f"{T_SHRINK}::test_a_seed_kept_over_the_search_reports_its_own_plan"
 
 FAULTS: list[Fault] = [
     # -- surgery/shapes.py: renumbering after dropped blocks
@@ -337,7 +338,7 @@ FAULTS: list[Fault] = [
         "sinv_prune/shrink/search.py",
         "target=target, removed=space.removed(genome),",
         "target=target, removed=space.removed(best),",
-        (SEED_WINS, SEED_KEPT),
+        (SEED_OVER_SEARCH, SEED_WINS, SEED_KEPT),
     ),
     Fault(
         "shrink: stock repair skipped for the uniform seed",
