@@ -481,3 +481,52 @@ def test_open_expert_gates_leave_a_bf16_model_bit_identical(family):
     with get_unit("experts").gates(model, requires_grad=False):
         gated = logits(model)
     assert torch.equal(gated, plain), (gated.float() - plain.float()).abs().max()
+
+
+def test_a_second_expert_cut_records_original_ids_and_reloads(tmp_path):
+    """A cut of an already cut layer names experts in current numbering; the record keeps original ids (current
+    [0, 2] after removing [0, 1] are originals 2 and 4), which the remote-code rebuild slices by on reload."""
+    model = fresh("qwen3_moe")
+    layer = moe_layers(model)[0]
+    with masked_routers(model, {layer: [0, 1, 2, 4]}):
+        expected = logits(model)
+    sinv_prune.prune(model, {"experts": {layer: [0, 1]}})
+    sinv_prune.prune(model, {"experts": {layer: [0, 2]}})
+    assert get_record(model.config).pruned_experts[layer] == [0, 1, 2, 4]
+    torch.testing.assert_close(logits(model), expected, atol=1e-5, rtol=0)
+    model.save_pretrained(tmp_path)
+    torch.testing.assert_close(logits(sinv_prune.from_pretrained(tmp_path).eval()), expected, atol=1e-5, rtol=0)
+
+
+def test_every_moe_layer_keeps_num_experts_per_tok():
+    """The most a selection may remove is every MoE layer down to ``num_experts_per_tok``: one more is refused in one
+    line, and that many leaves exactly top-k experts in each MoE layer."""
+    model = fresh("qwen3_moe")
+    most = (EXPERTS - TOP_K) * len(moe_layers(model))
+    refusal = rf"^amount {most + 1} is larger than the {most} experts that may be removed "
+    refusal += rf"with min_experts_per_layer={TOP_K}$"
+    with pytest.raises(ValueError, match=refusal):
+        sinv_prune.Pruner([sinv_prune.Part("experts", "random", most + 1, mode="global")]).prune(model)
+    summary = sinv_prune.Pruner([sinv_prune.Part("experts", "random", most, mode="global")]).prune(model)
+    assert {c.layer: c.kept for c in summary.experts} == dict.fromkeys(moe_layers(model), TOP_K)
+
+
+@pytest.mark.parametrize(
+    ("drop", "mlp_only", "step", "expected"),
+    [
+        ([0, 1], [2], 2, ([0], 2)),  # kept: old 2 (dense, listed) and 3 (MoE): the step still lands
+        ([1], [], 2, ([0, 1], 1)),  # kept: dense, dense, MoE: no step does, so the dense layers are listed
+    ],
+)
+def test_dropped_blocks_renumber_mlp_only_layers_and_keep_a_step_that_still_lands(drop, mlp_only, step, expected):
+    """Qwen3-MoE, 4 blocks (dense where listed or ``(i + 1) % step``): the renumbered config describes each kept
+    block's kind (recomputed here from the original kinds), with the step kept where it still lands."""
+    model = tiny_moe("qwen3_moe", num_hidden_layers=4, mlp_only_layers=mlp_only, decoder_sparse_step=step)
+    kinds = [bool(get_adapter(model).num_experts(i)) for i in range(4)]
+    assert kinds == [not (i in mlp_only or (i + 1) % step) for i in range(4)]
+    sinv_prune.prune(model, {"layers": drop})
+    config = model.config
+    kept = [kind for i, kind in enumerate(kinds) if i not in drop]
+    described = [not (j in config.mlp_only_layers or (j + 1) % config.decoder_sparse_step) for j in range(len(kept))]
+    assert described == kept
+    assert (config.mlp_only_layers, config.decoder_sparse_step) == expected

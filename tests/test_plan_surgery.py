@@ -501,3 +501,16 @@ def test_cli_info_and_model_card_name_removed_blocks_and_channels(tmp_path):
     assert "removed [1]  MLP channels kept 125/128" in info.output
     card = model_card(model.config, repo_id="me/tiny")
     assert "1 whole blocks removed (original layers [1]); 125 to 128 of 128 MLP channels kept" in card
+
+
+@pytest.mark.parametrize("drop", [[0], [1], [0, 2]])
+def test_dropped_blocks_keep_max_window_layers_stating_the_full_attention_layers(drop):
+    """Qwen2's ``max_window_layers`` counts the full-attention layers below the sliding ones (its ``layer_types``
+    follow from it): after a drop it counts the kept ones, so the two still agree."""
+    model = fresh("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    types = list(model.config.layer_types)
+    sinv_prune.prune(model, {"layers": drop})
+    kept = [t for i, t in enumerate(types) if i not in drop]
+    assert model.config.layer_types == kept
+    window = model.config.max_window_layers
+    assert kept == ["full_attention" if j < window else "sliding_attention" for j in range(len(kept))]

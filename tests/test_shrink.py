@@ -370,3 +370,23 @@ def test_a_refit_that_is_not_finite_is_plain_pruning_warned_once_and_recorded(mo
     sinv_prune.prune(fresh, plan)
     ids = sequences()[4][None]
     torch.testing.assert_close(logits(model, ids), logits(fresh, ids))
+
+
+@pytest.mark.parametrize("share", [0.3, 0.5])
+def test_a_seed_kept_over_the_search_reports_its_own_plan(monkeypatch, share):
+    # the held-out comparison made to prefer the best seed (the search's perplexity reported 1 nat worse): the seed
+    # is built, and what shrink reports (removal, shares, fitness) is the seed's, checked against a rebuild
+    search = importlib.import_module("sinv_prune.shrink.search")
+    real, calls = search._heldout_ce, []
+
+    def worse_search(cand, seqs, genome):
+        calls.append(genome)
+        return real(cand, seqs, genome) + (1.0 if len(calls) == 2 else 0.0)  # calls: unpruned, search, seed
+
+    monkeypatch.setattr(search, "_heldout_ce", worse_search)
+    model = tiny_llama()
+    result = run(model, share)
+    assert len(calls) == 3 and result.chosen != "search"
+    seed = result.seeds[result.chosen]
+    assert (result.removed, result.shares, result.fitness) == (seed["removed"], seed["shares"], seed["fitness"])
+    _check_against_a_rebuild(result, model)

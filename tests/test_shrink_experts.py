@@ -149,3 +149,18 @@ def test_every_moe_seed_kind_meets_the_target_when_it_wins(monkeypatch):
             assert sum(p.numel() for p in model.parameters()) == result.params_before - result.removed
             kinds.add(name)
     assert {"experts", "heads+experts", "layers+experts"} <= kinds
+
+
+def test_the_experts_removed_are_those_with_the_lowest_reap_scores():
+    # in each MoE layer the plan removes experts that score no higher than any kept one, by the statistics' REAP
+    # scores (which test_consumer_statistics checks against a whole-model REAP pass)
+    model = tiny_moe("mixtral")
+    result = shrink(model, 0.4, units=("layers", "experts"), budget=10, keep_statistics=True)
+    scores = result.statistics.expert_scores
+    assert result.plan.get("experts")
+    for layer, removed in result.plan["experts"].items():
+        row = scores[int(layer)]
+        kept = [e for e in range(len(row)) if e not in removed]
+        assert len(set(row)) == len(row)  # no ties: the order is the scores'
+        assert max(row[e] for e in removed) < min(row[e] for e in kept)
+    result.statistics.close()

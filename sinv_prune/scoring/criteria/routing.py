@@ -298,9 +298,13 @@ def layer_hooks(criterion: RoutingCriterion, model: nn.Module, layer: int, seen:
 
     ``(router forward hook or None, experts forward pre-hook with kwargs)``: a forward of the layer puts
     its sums in ``seen[layer]``; add them up over batches with :func:`add_layer_sums`, turn them into
-    scores with :func:`layer_scores` (layer-wise calibration: :mod:`sinv_prune.surgery.layerwise`).
+    scores with :func:`layer_scores` (layer-wise calibration: :mod:`sinv_prune.surgery.layerwise`). REAP's gate is
+    decided here from ``model`` as :meth:`ReapCriterion.update` decides it (``renormalize=None``: the config's
+    ``norm_topk_prob``).
     """
     adapter = get_adapter(model)
+    if isinstance(criterion, ReapCriterion):  # the gate the model's config calls for, as update() decides it
+        criterion.renormalize = default_renormalize(model) if criterion.option is None else criterion.option
     logits: dict[int, torch.Tensor] = {}
     router = _keep_logits(logits, layer) if criterion.uses_gates else None
     return router, _collect(seen, logits, adapter, layer, None, criterion)
