@@ -210,7 +210,8 @@ def run_tool(model, spec: dict) -> dict:
         summary = sinv_prune.prune(model, _obs_plan(model), calibration=batches, compensate="obs", **store)
         return {"removed": summary.params_removed if hasattr(summary, "params_removed") else None}
     batches = [{"input_ids": s.view(1, -1)} for s in seqs]
-    pruner = Pruner([Part("experts", "reap", 0.25)])
+    store = {"store": spec["store"]} if takes("store", Pruner) else {}
+    pruner = Pruner([Part("experts", "reap", 0.25)], **store)
     pruner.prune(model, batches=batches)
     return {"removed_experts": sum(len(v) for v in pruner.last_selection["experts"].values())}
 

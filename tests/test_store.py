@@ -143,3 +143,36 @@ def test_plain_kept_from_a_disk_store_gives_the_plainly_pruned_weights(monkeypat
     assert any(f.refit for f in summary.compensation.layers)
     theirs = plain.state_dict()
     assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items())
+
+
+def test_a_pruner_with_its_removal_on_disk_cuts_the_same_experts_and_weights():
+    from test_experts import tiny_moe
+
+    from sinv_prune.scoring.pruner import Part, Pruner
+
+    batches = [model_inputs(seed=s) for s in range(2)]
+    models, spilled = [], []
+    for where in ("cpu", "disk"):
+        model = tiny_moe("qwen3_moe")
+        put = Store.put
+        seen = []
+
+        def spy(self, key, tensors, *a, _seen=seen, _put=put, **k):
+            _seen.append(self.where)
+            return _put(self, key, tensors, *a, **k)
+
+        Store.put = spy
+        try:
+            pruner = Pruner([Part("experts", "reap", 0.34)], store=where)
+            pruner.prune(model, batches=batches)
+        finally:
+            Store.put = put
+        models.append((model, pruner.last_selection))
+        spilled.append(set(seen))
+    (a, sel_a), (b, sel_b) = models
+    assert sel_a == sel_b and any(sel_a["experts"].values())
+    assert spilled == [{"cpu"}, {"disk"}]  # the rollback copies went where asked
+    assert a.state_dict().keys() == b.state_dict().keys()
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    with pytest.raises(ValueError, match="store must be one of"):
+        Pruner([Part("experts", "reap", 0.34)], store="ram")

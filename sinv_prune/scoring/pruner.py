@@ -26,6 +26,7 @@ from sinv_prune.surgery import compensation
 from sinv_prune.surgery import removal as surgery
 from sinv_prune.surgery.record import get_record
 from sinv_prune.surgery.removal import PruneSummary, count_parameters
+from sinv_prune.surgery.store import PLACES
 from sinv_prune.units import get_unit, units
 from sinv_prune.units.base import score_rows
 from sinv_prune.units.heads import HEADS
@@ -167,7 +168,8 @@ class Pruner:
     Non-uniform allocations take ``rounds=1``. ``compensate`` (a method of :mod:`sinv_prune.surgery.compensation`,
     options in ``compensation_options``) is passed to the removal with the ``calibration``
     batches. ``allow_empty_layers`` (default: the heads part's ``min_per_layer == 0``) lets
-    layers lose every head.
+    layers lose every head. ``store`` (``"cpu"`` or ``"disk"``) is the removal's
+    (:func:`sinv_prune.prune`'s ``store=``): where its rollback copies wait until it returns.
 
     After a call: ``last_scores`` (``{unit: scores}``), ``last_selection`` (after ``select``: the plan;
     after ``prune``: what was removed, which under ``compensate="obs"`` differs from the plan, as
@@ -189,6 +191,7 @@ class Pruner:
         allow_empty_layers: bool | None = None,
         allocation: str | None = None,
         quiet: bool = False,
+        store: str = "cpu",
     ):
         parts = list(parts) if isinstance(parts, Sequence) and not isinstance(parts, str) else None
         if not parts:
@@ -225,6 +228,9 @@ class Pruner:
         self.last_rounds: list[dict] = []
         self.last_allocation: list[dict] = []
         self.quiet = bool(quiet)
+        if store not in PLACES:
+            raise ValueError(f"store must be one of {', '.join(map(repr, PLACES))}, got {store!r}")
+        self.store = store
 
     def allocation_of(self, part: Part) -> str:
         """The part's allocation: its own, else the pruner's, else ``uniform`` (layers: always ``uniform``)."""
@@ -328,7 +334,7 @@ class Pruner:
         """
         if self.compensate is not None and calibration is None:
             raise ValueError(f"compensate={self.compensate!r} needs calibration batches")
-        removal: dict[str, Any] = {}
+        removal: dict[str, Any] = {} if self.store == "cpu" else {"store": self.store}
         if self.allow_empty_layers:
             removal["allow_empty_layers"] = True
         if self.compensate is not None:
