@@ -89,6 +89,7 @@ def expert_gates(model: nn.Module, *, requires_grad: bool = True) -> Iterator[li
             count = adapter.num_experts(layer)
             router = adapter.router(layer) if count else None
             device = router.weight.device if count else None
+            device = torch.device("cpu") if device is not None and device.type == "meta" else device  # offloaded
             gate = torch.ones(count, device=device, requires_grad=requires_grad)
             gates.append(gate)
             if count:
@@ -102,7 +103,7 @@ def expert_gates(model: nn.Module, *, requires_grad: bool = True) -> Iterator[li
 def _route_hook(adapter, layer: int, gate: torch.Tensor):
     def hook(module, args, output):
         logits, *_ = output
-        shifted = logits + torch.log(gate).to(logits.dtype)
+        shifted = logits + torch.log(gate).to(logits.device, logits.dtype)
         return (shifted, *adapter.route(layer, shifted))
 
     return hook

@@ -12,7 +12,10 @@ Alive at once: the hidden states of every calibration batch (on the host, pinned
 there; ``tokens x hidden`` in the model's dtype, one copy), one block on the compute device, its
 activations for one batch, and whatever the caller keeps. Blocks that live elsewhere (on the CPU
 with the work on a GPU, or behind accelerate's offload hooks) are brought to the compute device
-for their turn only: accelerate's hooks do it themselves; a plain block is moved there and back.
+for their turn only: an offloaded block's weights are brought in once for the turn
+(:func:`~sinv_prune.surgery.offload.onloaded`: not read again for every batch, and hooks of the
+caller that read the weights before accelerate's own would bring them see them), a plain block is
+moved there and back.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class Layer:
     hidden: list[torch.Tensor]
     device: torch.device
     pin: bool = False
+    root: nn.Module | None = None  # the model (finds offload hooks above the block)
     outputs: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def inputs(self) -> Iterator[tuple[BlockInput, torch.Tensor]]:
@@ -87,7 +91,7 @@ class Layer:
         Called again (after the block changed), the later outputs replace the earlier ones.
         """
         outputs = []
-        with torch.no_grad(), _on_device(self.block, self.device):
+        with torch.no_grad(), _on_device(self.block, self.device, self.root):
             for j, (batch, hidden) in enumerate(self.inputs()):
                 out = self.forward(batch, hidden)
                 if on_output is not None:
@@ -127,7 +131,7 @@ def layer_by_layer(
     last = max(wanted, default=-1)
     with preserve_modes(model):
         for index in bar(range(last + 1), desc=desc, unit="layer", disable=quiet):
-            layer = Layer(index, blocks[index], batches, hidden, device, pin)
+            layer = Layer(index, blocks[index], batches, hidden, device, pin, model)
             if index in wanted:
                 yield layer
             if index < last:
@@ -143,14 +147,21 @@ def _moved(value, device: torch.device):
 
 
 class _on_device:
-    """Bring a plain block to ``device`` for its turn and put it back after; blocks under accelerate hooks stay."""
+    """Bring a plain block to ``device`` for its turn and put it back after; an offloaded block's weights are
+    brought in by its hooks for the turn (:func:`~sinv_prune.surgery.offload.onloaded`); other hooked blocks stay."""
 
-    def __init__(self, block: nn.Module, device: torch.device):
-        self.block, self.device = block, device
+    def __init__(self, block: nn.Module, device: torch.device, root: nn.Module | None = None):
+        self.block, self.device, self.root = block, device, root
         self.home = None
+        self.onloaded = None
 
     def __enter__(self):
-        if not any(hasattr(m, "_hf_hook") for m in self.block.modules()):
+        from sinv_prune.surgery.offload import is_offloaded, onloaded
+
+        if is_offloaded(self.block) or any(t.device.type == "meta" for t in self.block.parameters()):
+            self.onloaded = onloaded(self.block, self.root)
+            self.onloaded.__enter__()
+        elif not any(hasattr(m, "_hf_hook") for m in self.block.modules()):
             home = block_device(self.block)
             if home != self.device:
                 self.home = home
@@ -158,5 +169,7 @@ class _on_device:
         return self.block
 
     def __exit__(self, *exc):
+        if self.onloaded is not None:
+            self.onloaded.__exit__(*exc)
         if self.home is not None:
             self.block.to(self.home)

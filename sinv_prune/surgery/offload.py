@@ -51,7 +51,7 @@ __all__ = [
     "offload_load_kwargs",
     "offloaded_reason",
     "onloaded",
-    "refuse_offload",
+    "read_tensors",
 ]
 
 MODES = ("none", "cpu", "disk")
@@ -165,6 +165,33 @@ def _hook_tensors(module: nn.Module, hook) -> list[tuple[str, torch.Tensor]]:
 
     return list(named_module_tensors(module, include_buffers=hook.offload_buffers, recurse=hook.place_submodules,
                                      remove_non_persistent=True))  # fmt: skip
+
+
+def read_tensors(module: nn.Module, root: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s own parameters and buffers by name, with their values: as they are, or, where they are on
+    the ``meta`` device, read from the weights map of the offload hook that holds them (at ``module`` or on an
+    ancestor under ``root``), one tensor at a time, on the host. Detached; never written back."""
+    own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    out = {name: t.detach() for name, t in own if t.device.type != "meta"}
+    missing = [name for name, t in own if t.device.type == "meta"]
+    if not missing:
+        return out
+    for m in root.modules():
+        hook = _offload_hook(m)
+        if hook is None or not (m is module or hook.place_submodules):
+            continue
+        path = next((name for name, s in m.named_modules() if s is module), None)
+        if path is None:
+            continue
+        for name in missing:
+            key = f"{path}.{name}" if path else name
+            if _has(hook.weights_map, key):
+                out[name] = hook.weights_map[key].detach()
+        missing = [name for name in missing if name not in out]
+        if not missing:
+            return out
+    raise ValueError(f"cannot read {type(module).__name__}.{missing[0]}: it is on the meta device and no "
+                     "accelerate offload hook holds it")  # fmt: skip
 
 
 # -- writing cut weights back -----------------------------------------------------------------
@@ -359,29 +386,11 @@ def mark_offloaded(model: nn.Module) -> None:
 # -- offloading a model -----------------------------------------------------------------------
 
 
-def refuse_offload(
-    what: str, model: nn.Module | None = None, mode: str = "none", device: torch.device | str | None = None
-) -> None:
-    """A one-line ``ValueError`` where ``what`` would run on offloaded blocks (``model`` is, or ``mode`` would make it).
-
-    For the paths that swap weights in the live model (shrink's search), which accelerate's hooks would
-    overwrite from their weights maps at the next forward; they take offload once they run through
-    :mod:`sinv_prune.surgery.layerwise` with :func:`onloaded` turns.
-    """
-    device = torch.device(device) if device is not None else default_device()
-    moves = mode == "disk" or (mode == "cpu" and device.type != "cpu")
-    if moves or (model is not None and is_offloaded(model)):
-        raise ValueError(f"{what} cannot run on offloaded blocks yet (it swaps weights that accelerate's offload "
-                         "hooks reload); use offload 'none', or prune a plan with offload")  # fmt: skip
-
-
 def apply_offload(
     model: nn.Module,
     mode: str = "none",
     device: torch.device | str | None = None,
     folder: str | os.PathLike | None = None,
-    *,
-    unsupported: str | None = None,
 ) -> nn.Module:
     """Offload ``model``'s transformer blocks (``"cpu"`` / ``"disk"``) with accelerate's ``dispatch_model``; in place.
 
@@ -389,12 +398,9 @@ def apply_offload(
     each block stays in host RAM (``cpu``) or is written to ``folder`` (``disk``; default: a new
     temporary folder) and comes to ``device`` for its forward only. A model already under accelerate
     hooks keeps them, and ``offload="cpu"`` with the CPU as the device has nothing to move: both are
-    returned as they are. ``unsupported`` names a caller that cannot work on offloaded blocks: it is
-    refused (:func:`refuse_offload`) before anything changes. Returns ``model``.
+    returned as they are. Returns ``model``.
     """
     check_offload(mode, folder)
-    if unsupported is not None:
-        refuse_offload(unsupported, model, mode, device)
     if mode == "none" or any(_hooks(m) for m in model.modules()):
         return model
     device = torch.device(device) if device is not None else default_device()

@@ -132,9 +132,18 @@ class ConsumerFit:
         return w
 
 
-def consumer_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A Linear's or Conv1D's ``([out, in] weight, bias or None)``, detached."""
+def consumer_weights(module: nn.Module, root: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A Linear's or Conv1D's ``([out, in] weight, bias or None)``, detached.
+
+    With ``root`` (the model), weights an accelerate hook has offloaded (on ``meta``) are read from its
+    weights map (:func:`~sinv_prune.surgery.offload.read_tensors`); without, they come as they are."""
     bias = getattr(module, "bias", None)
+    if root is not None and module.weight.device.type == "meta":
+        from sinv_prune.surgery.offload import read_tensors
+
+        tensors = read_tensors(module, root)
+        weight = tensors["weight"].t() if isinstance(module, Conv1D) else tensors["weight"]
+        return weight, None if bias is None else tensors["bias"]
     return linear_weight(module).detach(), None if bias is None else bias.detach()
 
 
