@@ -421,8 +421,7 @@ def offload_options(command):
         default="none",
         show_default=True,
         help="Keep the transformer blocks in host RAM (cpu) or on disk and bring one at a time to the GPU "
-        "(accelerate's offload hooks); the model is never whole on the GPU (disk: nor in RAM). shrink refuses "
-        "offloaded blocks for now (its search swaps live weights).",
+        "(accelerate's offload hooks); the model is never whole on the GPU (disk: nor in RAM).",
     )(command)
 
 
@@ -540,9 +539,8 @@ def _memory_check(source: str, gguf_file: str | None, task: str, *, dry_run: boo
         if dry_run:
             raise UsageError(f"{source}: cannot read its config ({_one_line(err)})") from None
         return  # the load itself says what is wrong
-    # shrink's search refuses offloaded blocks for now: its refusal offers fewer sequences only
     lines, refused = dry_run_check(shape, task, device, sequences=sequences, length=length, offload=offload,
-                                   offload_option=None if task == "shrink" else "--offload {}")  # fmt: skip
+                                   offload_option="--offload {}")  # fmt: skip
     if dry_run:
         click.echo(f"{source}: {shape.layers} layers, {gib(shape.model_bytes)} of weights")
         for line in lines:

@@ -16,10 +16,9 @@ def run_shrink(source: str, output: Path, *, tokenizer_path: str | None, gguf_fi
     disk) loads the model with its blocks offloaded (:func:`~sinv_prune.from_pretrained`)."""
     from sinv_prune.pipeline.data import load_model_tokenizer
     from sinv_prune.surgery.checkpoint import from_pretrained
-    from sinv_prune.surgery.offload import check_offload, refuse_offload
+    from sinv_prune.surgery.offload import check_offload
 
     check_offload(offload, offload_folder)
-    refuse_offload("shrink's search", mode=offload)  # before a long load
 
     load = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = load_model_tokenizer(tokenizer_path or source, **({} if tokenizer_path else load))

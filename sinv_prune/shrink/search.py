@@ -40,7 +40,7 @@ from sinv_prune.shrink.statistics import Picks, mlp_order
 from sinv_prune.surgery import consumer_statistics
 from sinv_prune.surgery.block_inputs import input_device
 from sinv_prune.surgery.consumer_statistics import Statistics, consumer_modules
-from sinv_prune.surgery.offload import apply_offload
+from sinv_prune.surgery.offload import apply_offload, is_offloaded, onloaded
 from sinv_prune.surgery.refit import consumer_weights, write_consumer
 from sinv_prune.surgery.removal import count_parameters, prune
 from sinv_prune.surgery.store import PLACES, Store
@@ -159,7 +159,7 @@ def shrink(
     keep_statistics: bool = False,
     offload: str = "none",
     offload_folder: str | None = None,
-    store: str = "cpu",
+    store: str | None = None,
 ) -> ShrinkResult:
     """Remove ``params`` (a share, 0-1) of ``model``'s non-embedding parameters, or down to ``to`` parameters in
     all, in place, by the joint search of this module's docstring; returns a :class:`ShrinkResult`.
@@ -182,16 +182,21 @@ def shrink(
     on every calibration sequence, after the blocks are dropped) and keep it where its held-out perplexity
     is lower (``result.built`` says which; it costs a full compensation pass and a copy of the model).
     ``offload``: ``none``, ``cpu`` or ``disk`` (``offload_folder``), applied first
-    (:func:`~sinv_prune.surgery.offload.apply_offload`); the search swaps weights in the live model, so for now
-    a model whose blocks are (or would be) offloaded is refused before anything changes.
-    ``store``: where the per-layer statistics wait between their pass and the search's solves, ``"cpu"``
-    (host memory) or ``"disk"`` (safetensors files in a temporary folder, one layer read back at a time), so
-    the host memory beyond the model does not grow with depth (:mod:`sinv_prune.surgery.store`).
+    (:func:`~sinv_prune.surgery.offload.apply_offload`; a model already under accelerate's hooks keeps them):
+    the statistics pass brings one block at a time to the device, candidates change consumers' forwards (not
+    weights), and the build writes the cut and refitted weights back to the offload maps. Not with ``refine``.
+    ``store``: where the per-layer statistics (and the build's rollback copies) wait, ``"cpu"`` (host memory)
+    or ``"disk"`` (safetensors files in a temporary folder, one layer read back at a time), so the host memory
+    beyond the model does not grow with depth (:mod:`sinv_prune.surgery.store`); default ``"disk"`` with
+    ``offload="disk"``, else ``"cpu"``.
     """
     start = time.perf_counter()
+    store = store if store is not None else ("disk" if offload == "disk" else "cpu")
     if store not in PLACES:
         raise ValueError(f"store must be one of {', '.join(map(repr, PLACES))}, got {store!r}")
-    apply_offload(model, offload, folder=offload_folder, unsupported="shrink's search")
+    if refine and (offload != "none" or is_offloaded(model)):
+        raise ValueError("refine builds a copy of the model; it cannot run on offloaded blocks (use offload 'none')")
+    apply_offload(model, offload, folder=offload_folder)
     adapter = get_adapter(model)
     units = model_units(adapter) if units is None else tuple(units)
     _check(model, adapter, params, to, units, budget, holdout, fitness_sequences, min_mlp, multiple)
@@ -215,7 +220,8 @@ def shrink(
     def on_layer(layer: int, fits: dict) -> None:  # the MLP's OBS order while its statistics are on the device
         s = space.layers[layer]
         if s.max_steps:
-            orders[layer] = mlp_order(s, fits[MLP.name, layer][0], consumer_weights(adapter.mlp_out(layer))[0])
+            weight = consumer_weights(adapter.mlp_out(layer), model)[0]  # read from its offload map where offloaded
+            orders[layer] = mlp_order(s, fits[MLP.name, layer][0], weight)
 
     stats = statistics or Statistics(model, adapter, seqs, heldout, quiet=quiet, dtype=dtype, on_layer=on_layer,
                                      store=Store(store))  # fmt: skip
@@ -274,7 +280,8 @@ def shrink(
                 chosen, genome, best_fit = best_seed, found[best_seed]["genome"], found[best_seed]["fitness"]
         plan, kept_widths = to_plan(genome, picks), widths(genome, space, adapter)
         cuts = _cut_consumers(genome, picks)
-        refits = {key: picks.refit(*key, removed) for key, removed in cuts.items()}
+        for key, removed in cuts.items():
+            picks.refit(*key, removed)  # solved (and any fallback known) now
         fallbacks = sorted(key for key, removed in cuts.items() if picks.fell_back(*key, removed))
         cand.reset()
         blocks_run = round(cand.blocks_run / max(cand.blocks_total, 1), 3)  # share of the fitness forwards' blocks
@@ -297,8 +304,11 @@ def shrink(
     if summary is None:
         modules = consumer_modules(adapter)
         summary = prune(model, plan, store=store)
-        for key, (_, weight, bias) in refits.items():
-            write_consumer(modules[key], weight, bias)
+        for layer in sorted({layer for _, layer in cuts}):  # one turn per block where it is offloaded
+            keys = [key for key in cuts if key[1] == layer]
+            with onloaded(modules[keys[0]], root=model):
+                for key in keys:  # cached (or on disk) since the compare
+                    write_consumer(modules[key], *picks.refit(*key, cuts[key])[1:])
     seconds["compare and build"] = seconds.get("compare and build", 0.0) + time.perf_counter() - t
     seconds["total"] = time.perf_counter() - start
     record = getattr(model.config, "sinv_prune", None)

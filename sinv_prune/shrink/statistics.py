@@ -38,24 +38,37 @@ from sinv_prune.units.mlp import MLP
 
 logger = logging.getLogger(__name__)
 
+#: Bytes of refits :class:`Picks` keeps for later candidates beyond the newest (an 8B shape's down projection
+#: refit is ~90 MB in bfloat16: a count bound alone would keep tens of GB).
+REFIT_CACHE_BYTES = 2 << 30
+
 
 class Picks:
     """Which units each option removes (OBS on the unpruned statistics) and the refit kept weights, cached."""
 
-    def __init__(self, stats: Statistics, space: Space, adapter, *, cache: int = 256, quiet: bool = False,
+    def __init__(self, stats: Statistics, space: Space, adapter, *, cache: int = 256,
+                 cache_bytes: int = REFIT_CACHE_BYTES, quiet: bool = False,
                  orders: dict[int, list[list[int]]] | None = None):  # fmt: skip
-        """``orders``: MLP OBS orders already computed (:func:`mlp_order`, while the statistics were measured)."""
+        """``orders``: MLP OBS orders already computed (:func:`mlp_order`, while the statistics were measured);
+        ``cache`` / ``cache_bytes``: at most that many refits, and bytes of them, are kept for later candidates
+        (the newest always): in host memory, or, where the statistics' store is on disk, in that store (host
+        memory then holds a refit only while it is used; at least twice the consumers' weights are kept there)."""
         self.stats, self.space, self.adapter = stats, space, adapter  # the model being cut (stats may be reused)
         self.mlp_steps: dict[int, list[list[int]]] = dict(orders or {})
         self._heads: dict[tuple[int, int], list[int]] = {}
-        self._refits: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        self._refits: OrderedDict[tuple, tuple] = OrderedDict()  # (kept, weight, bias); on disk (bytes, device)
         self._fell_back: set[tuple] = set()  # refits (unit, layer, removed) whose solve was not finite
         self._warned: set[tuple[str, int]] = set()
-        self._cap = cache
+        self._cap, self._cap_bytes, self._bytes = cache, cache_bytes, 0
+        self._disk = stats.store if stats.store.where == "disk" else None
         n = self.adapter.num_layers
-        # the unpruned weights, held now: candidates replace the live parameters (never in place)
-        self.weights = {key: consumer_weights(module) for key, module in consumer_modules(self.adapter).items()}
+        # the unpruned weights, held now: candidates replace the live consumers' forwards (never their weights);
+        # offloaded ones are on ``meta`` here (their shapes), read from their offload map when used (:meth:`unpruned`)
+        self._consumers = consumer_modules(self.adapter)
+        self.weights = {key: consumer_weights(module) for key, module in self._consumers.items()}
         self.expert_order = [sorted(range(len(row)), key=lambda e, row=row: (row[e], e)) for row in stats.expert_scores]
+        if self._disk is not None:  # room for a candidate's refits and the best's besides (disk, not memory)
+            self._cap_bytes = max(cache_bytes, 2 * sum(_nbytes(w) for w in self.weights.values()))
         for key, (weight, _) in self.weights.items():
             measured = stats.shapes[key][0] if key in stats.shapes else None
             if measured != weight.shape[1]:
@@ -66,7 +79,15 @@ class Picks:
         missing = [s for s in space.layers if s.max_steps and s.layer not in self.mlp_steps]
         for s in bar(missing, desc="OBS orders", unit="layer", disable=quiet or not missing):
             fit = self.stats.pair((MLP.name, s.layer))[0]
-            self.mlp_steps[s.layer] = mlp_order(s, fit, self.weights[MLP.name, s.layer][0])
+            self.mlp_steps[s.layer] = mlp_order(s, fit, self.unpruned(MLP.name, s.layer)[0])
+
+    def unpruned(self, unit: str, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``([out, in] weight, bias)`` of ``layer``'s ``unit`` consumer in the unpruned model (offloaded ones read
+        from their offload map, on the host)."""
+        weight, bias = self.weights[unit, layer]
+        if weight.device.type != "meta":
+            return weight, bias
+        return consumer_weights(self._consumers[unit, layer], self.adapter.model)
 
     def heads(self, layer: int, option: int) -> list[int]:
         """Query heads (current numbering) that head option ``option`` of ``layer`` removes."""
@@ -80,7 +101,7 @@ class Picks:
         lay = self.adapter.layout(layer)
         group, d = lay.group_size, lay.head_dim
         fit = self.stats.fits[HEADS.name, layer][0]
-        weight, _ = self.weights[HEADS.name, layer]
+        weight, _ = self.unpruned(HEADS.name, layer)
         width = weight.shape[1]
         gram = fit.gram[:width, :width]
         gone_groups: list[int] = []
@@ -111,8 +132,8 @@ class Picks:
         key = (unit, layer, tuple(removed_units))
         if key in self._refits:
             self._refits.move_to_end(key)
-            return self._refits[key]
-        weight, bias = self.weights[unit, layer]
+            return self._refits[key] if self._disk is None else self._read(key)
+        weight, bias = self.unpruned(unit, layer)
         width = weight.shape[1]
         if unit == HEADS.name:
             d = self.adapter.layout(layer).head_dim
@@ -131,15 +152,34 @@ class Picks:
                 logger.warning("shrink: layer %d %s consumer: the refit is not finite (an ill-conditioned solve); "
                                "plain pruning there instead", layer, unit)  # fmt: skip
         value = (kept, w.to(weight.dtype), None if b is None else b.to(weight.dtype))
-        self._refits[key] = value
-        if len(self._refits) > self._cap:
-            self._refits.popitem(last=False)
+        self._refits[key] = value if self._disk is None else (_nbytes(value), value[1].device)
+        if self._disk is not None:
+            self._disk.put(("refit", *key), dict(zip(("kept", "weight", "bias"), value, strict=True)))
+        self._bytes += _nbytes(value)
+        while len(self._refits) > 1 and (len(self._refits) > self._cap or self._bytes > self._cap_bytes):
+            old, held = self._refits.popitem(last=False)
+            self._bytes -= held[0] if self._disk is not None else _nbytes(held)
+            if self._disk is not None:
+                self._disk.drop(("refit", *old))
         return value
+
+    def _read(self, key: tuple) -> tuple:
+        t = self._disk.get(("refit", *key), self._refits[key][1])
+        return t["kept"], t["weight"], t["bias"]
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether refits wait on disk between uses (the statistics' store is on disk)."""
+        return self._disk is not None
 
     def fell_back(self, unit: str, layer: int, removed_units: Sequence[int]) -> bool:
         """Whether the refit of ``layer``'s ``unit`` consumer without ``removed_units`` fell back to plain pruning
         (its solve was not finite)."""
         return (unit, layer, tuple(removed_units)) in self._fell_back
+
+
+def _nbytes(tensors: tuple) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def mlp_order(s: LayerSpace, fit: ConsumerFit, weight: torch.Tensor) -> list[list[int]]:
