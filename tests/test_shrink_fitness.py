@@ -14,6 +14,7 @@ from test_shrink import sequences, tiny_llama
 from sinv_prune.arch import get_adapter
 from sinv_prune.scoring.allocation import non_embedding_parameters
 from sinv_prune.shrink.fitness import Candidates
+from sinv_prune.surgery.store import Store
 from sinv_prune.shrink.search import model_units, seed_genomes
 from sinv_prune.shrink.space import build_space
 from sinv_prune.shrink.statistics import Picks
@@ -31,16 +32,19 @@ def _full_kl(model, reference: list[torch.Tensor], batches: list[torch.Tensor]) 
     return total / count
 
 
+@pytest.mark.parametrize("where", ["cpu", "disk"])
 @pytest.mark.parametrize("make", [tiny_llama, lambda: tiny_moe("qwen3_moe")], ids=["llama", "qwen3_moe"])
-def test_reused_block_outputs_give_the_full_forwards_kl(make):
+def test_reused_block_outputs_give_the_full_forwards_kl(make, where):
+    """Kept block outputs and refits in host memory or on disk (the picks then hold none in memory)."""
     model = make()
     adapter = get_adapter(model)
     seqs = [s % model.config.vocab_size for s in sequences()]
     heldout = [i % 4 == 3 for i in range(len(seqs))]
     target = math.ceil(0.3 * non_embedding_parameters(model))
     space = build_space(model, adapter, target, stock=False, units=model_units(adapter), multiple=4, min_mlp=0.25)
-    stats = Statistics(model, adapter, seqs, heldout, quiet=True)
+    stats = Statistics(model, adapter, seqs, heldout, quiet=True, store=Store(where))
     picks = Picks(stats, space, adapter, quiet=True)
+    assert picks.on_disk == (where == "disk")
     rng = random.Random(0)
     seeds = list(seed_genomes(space, stats.bypass_order(), rng).values())
     genomes = seeds + [g for g in (space.mutate(seeds[0], rng, stats.bypass_order()) for _ in range(12)) if g]
@@ -61,3 +65,6 @@ def test_reused_block_outputs_give_the_full_forwards_kl(make):
         again = [torch.log_softmax(model(input_ids=b, use_cache=False).logits.float(), -1) for b in batches]
     for a, b in zip(again, reference, strict=True):
         torch.testing.assert_close(a, b)
+    if where == "disk":
+        assert not picks._refits or all(isinstance(v[0], int) for v in picks._refits.values())  # sizes, no tensors
+        assert any(key[0] == "refit" for key in stats.store.keys())
