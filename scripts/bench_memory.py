@@ -334,6 +334,8 @@ def predicted(spec: dict) -> dict | None:
                    offload=spec.get("offload") or "none",
                    fitness_tokens=min(held, 4) * min(256, spec["seq_len"]),
                    kept_share=1 - spec["cut"] if spec["tool"] == "shrink" else 0.75)  # fmt: skip
+    if "store" in inspect.signature(memory_model.predict).parameters and spec["tool"] == "shrink":
+        options["store"] = spec.get("store") or "cpu"
     out = {}
     for design, layerwise in (("layerwise", True), ("whole", False)):
         pred = memory_model.predict(shape, task, layerwise=layerwise, **options)

@@ -131,7 +131,8 @@ def test_shrink_refuses_a_run_that_does_not_fit_before_loading(saved, tmp_path, 
     assert done.exit_code == 2, done.output
     error = [line for line in done.output.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "predicted peak memory" in error[0]
-    assert "--sequences" in error[0] and "--offload" not in error[0]  # shrink cannot offload yet
+    disk = memory_model.predict(shape, "shrink", sequences=64, length=512, offload="disk")
+    assert disk.host_peak <= pred.host_peak - 1 and "use --offload disk" in error[0]  # what it offers fits
     assert not (tmp_path / "out").exists()
 
 

@@ -26,10 +26,12 @@ down projection (in = intermediate); ``L`` layers):
   for shrink's fitness (``2 x fitness tokens x vocab x 4``, the reference and the candidate).
 * ``runtime``: :data:`RUNTIME_BYTES` on the host.
 * ``removal``: :func:`~sinv_prune.prune` writes the cut blocks' new weights and holds the old ones until it
-  returns (to undo a failed call): every block's size, an upper bound (a cut keeps less), where the model is.
-* ``weights kept``: what grows with depth by design: shrink's candidate and cached refit weights and
-  compensation's undo copies, ``2 x sum over layers and consumers of in x out x a`` (shrink) or ``1 x``
-  (compensation).
+  returns (to undo a failed call): every block's size, an upper bound (a cut keeps less), where the model is;
+  shrink with its store on disk (``store="disk"``, the default with ``offload="disk"``) holds one block's.
+* ``weights kept``: what grows with depth by design: shrink's candidate refit weights (``sum over layers and
+  consumers of in x out x a``) plus its refit cache (as much again, at most
+  :data:`~sinv_prune.shrink.statistics.REFIT_CACHE_BYTES`; none in memory with its store on disk: files), and
+  compensation's undo copies (``1 x``).
 
 With the compute device the CPU, device and host are one memory: the prediction's ``device`` is 0 and the
 host holds everything. Constants are round numbers, not fitted; ``scripts/bench_memory.py`` prints the
@@ -215,12 +217,14 @@ def predict(
     fitness_tokens: int = 1024,
     layerwise: bool = True,
     kept_share: float = 1.0,
+    store: str | None = None,
 ) -> Prediction:
     """Peak device and host memory of ``task`` (:data:`TASKS`: ``shrink``; ``compensate``, OBS / lsq refits at
     prune time; ``criterion``, a calibration-reading criterion; ``plain``, a removal without calibration) on
     ``shape`` with ``sequences`` x ``length`` calibration tokens, batches of ``batch`` sequences (shrink: 4).
     ``fitness_tokens``: shrink's fitness batch (sequences x tokens); ``kept_share``: of the blocks' weights the cut
-    keeps, where known (1: the upper bound)."""
+    keeps, where known (1: the upper bound). ``store``: shrink's (default ``"disk"`` with ``offload="disk"``,
+    else ``"cpu"``); on disk, its statistics, refits and rollback copies are files, one at a time in memory."""
     if task not in TASKS:
         raise ValueError(f"task {task!r}: one of {', '.join(TASKS)}")
     if offload not in OFFLOADS:
@@ -252,11 +256,16 @@ def predict(
     logits = 2 * fitness_tokens * shape.vocab * 4 if task == "shrink" else 0
     copies = {"shrink": 2, "criterion": 2, "compensate": 3, "plain": 0}[task]
     hidden = copies * tokens * h * a
-    kept = {"shrink": 2 * consumer_weights, "compensate": consumer_weights}.get(task, 0)
+    from sinv_prune.shrink.statistics import REFIT_CACHE_BYTES
+
+    store = store or ("disk" if offload == "disk" else "cpu")
+    on_disk = task == "shrink" and layerwise and store == "disk"
+    shrink_kept = consumer_weights + min(consumer_weights, REFIT_CACHE_BYTES)
+    kept = {"shrink": 0 if on_disk else shrink_kept, "compensate": consumer_weights}.get(task, 0)
     # prune() replaces the cut blocks' weights and keeps the old ones until it returns (to undo a failed call):
     # the new weights of every block, an upper bound (a cut keeps less)
-    removal = int(kept_share * sum(shape.block_bytes))
     block = max(shape.block_bytes, default=0)
+    removal = int(kept_share * (block if on_disk else sum(shape.block_bytes)))
 
     device_terms: dict[str, int] = {}
     host_terms: dict[str, int] = {}
@@ -272,7 +281,7 @@ def predict(
             disk = shape.model_bytes
     stats_where = device_terms if not layerwise else host_terms
     if task == "shrink":
-        if layerwise and offload == "disk":
+        if on_disk:
             stats_where["statistics (one layer)"] = stats_one
             disk += stats_all
         else:
