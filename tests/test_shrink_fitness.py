@@ -14,11 +14,11 @@ from test_shrink import sequences, tiny_llama
 from sinv_prune.arch import get_adapter
 from sinv_prune.scoring.allocation import non_embedding_parameters
 from sinv_prune.shrink.fitness import Candidates
-from sinv_prune.surgery.store import Store
 from sinv_prune.shrink.search import model_units, seed_genomes
 from sinv_prune.shrink.space import build_space
 from sinv_prune.shrink.statistics import Picks
 from sinv_prune.surgery.consumer_statistics import Statistics
+from sinv_prune.surgery.store import Store
 
 
 def _full_kl(model, reference: list[torch.Tensor], batches: list[torch.Tensor]) -> float:
@@ -67,4 +67,4 @@ def test_reused_block_outputs_give_the_full_forwards_kl(make, where):
         torch.testing.assert_close(a, b)
     if where == "disk":
         assert not picks._refits or all(isinstance(v[0], int) for v in picks._refits.values())  # sizes, no tensors
-        assert any(key[0] == "refit" for key in stats.store.keys())
+        assert any(key[0] == "refit" for key in stats.store)
