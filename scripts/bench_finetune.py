@@ -5,7 +5,8 @@ copy of it (``sinv-prune shrink``'s output). Every row trains both for the same 
 blocks of WikiText-2 valid.txt (``--seq-len`` 512, ``--batch`` blocks a step, through ``run_trainer``, the
 recipes' path) and measures the perplexity on the first ``--eval-tokens`` test.txt tokens in windows of
 ``--seq-len``; the table gives each model's perplexity, the pruned one's ratio to its control, the control's
-to the untouched model, tokens per second of the training and the peak resident memory it added.
+to the untouched model, whether each still completes "The capital of France is" with Paris (greedy, the
+recipes' first report prompt), tokens per second of the training and the peak resident memory it added.
 
 Rows (``--rows``; settings not named come from ``finetune``'s defaults, ``FINETUNE_RECIPE_DEFAULTS``):
 
@@ -47,6 +48,7 @@ import sinv_prune  # noqa: E402
 from sinv_prune.pipeline.data_stream import Blocks  # noqa: E402
 from sinv_prune.pipeline.distill_cache import build_cache  # noqa: E402
 from sinv_prune.pipeline.evaluation import perplexity  # noqa: E402
+from sinv_prune.pipeline.generations import DEFAULT_PROMPTS, greedy_continuations  # noqa: E402
 from sinv_prune.pipeline.recipe import FinetuneSpec  # noqa: E402
 from sinv_prune.pipeline.training import run_trainer  # noqa: E402
 from sinv_prune.surgery.record import get_record  # noqa: E402
@@ -151,6 +153,12 @@ def ppl(model, test_ids, args) -> float:
     return perplexity(model, test_ids, seq_len=args.seq_len, batch_size=4, device="cpu", progress=False)["perplexity"]
 
 
+def knows_paris(model, tokenizer) -> bool:
+    """Whether ``model`` continues the report's first prompt ("The capital of France is") with Paris, greedily."""
+    (out,) = greedy_continuations(model, tokenizer, DEFAULT_PROMPTS[:1], max_new_tokens=8)
+    return "paris" in out["continuation"].lower()
+
+
 def load_models(args):
     """(unpruned, pruned, tokenizer, description)."""
     if args.quick:
@@ -207,9 +215,10 @@ def run(argv=None) -> int:
         f"fine-tune: {args.tokens:,} tokens of valid.txt a model ({len(blocks)} blocks of {args.seq_len}, "
         f"{args.batch} a step){', bf16' if args.bf16 else ''}; perplexity on {test_ids.numel():,} test.txt tokens"
     )
-    before = {"control": ppl(base, test_ids, args), "pruned": ppl(pruned, test_ids, args)}
+    before = {"control": ppl(base, test_ids, args), "pruned": ppl(pruned, test_ids, args),
+              "paris": {"control": knows_paris(base, tokenizer), "pruned": knows_paris(pruned, tokenizer)}}  # fmt: skip
     print(f"before: unpruned {before['control']:.2f}, pruned {before['pruned']:.2f} "
-          f"({before['pruned'] / before['control']:.3f}x)", flush=True)  # fmt: skip
+          f"({before['pruned'] / before['control']:.3f}x); Paris: {before['paris']}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         cache = build_cache(teacher, blocks, Path(tmp) / "cache", k=args.k, temperature=2.0, batch_size=4)
         caches = {2.0: cache}
@@ -224,6 +233,7 @@ def run(argv=None) -> int:
                 model = copy.deepcopy(base if which == "control" else pruned).train()
                 out[which] = fine_tune(model, teacher, caches.get(T), tokenizer, Blocks(blocks), settings, args)
                 out[which]["ppl"] = ppl(model, test_ids, args)
+                out[which]["paris"] = knows_paris(model, tokenizer)
                 del model
                 print(f"  {row} {which}: {out[which]}", flush=True)
             rows.append(out)
@@ -236,14 +246,15 @@ def run(argv=None) -> int:
 
 
 def summary(rows, before) -> tuple[list[str], list[list]]:
-    headers = ["row", "control ppl", "control / unpruned", "pruned ppl", "pruned / control", "tokens/s (pruned)",
-               "peak MB (pruned)"]  # fmt: skip
+    headers = ["row", "control ppl", "control / unpruned", "pruned ppl", "pruned / control", "Paris (c, p)",
+               "tokens/s (pruned)", "peak MB (pruned)"]  # fmt: skip
     body = []
     for r in rows:
         c, p = r.get("control", {}), r.get("pruned", {})
         cp, pp = c.get("ppl"), p.get("ppl")
         body.append([r["row"], f"{cp:.2f}" if cp else "-", f"{cp / before['control']:.4f}" if cp else "-",
                      f"{pp:.2f}" if pp else "-", f"{pp / cp:.3f}" if cp and pp else "-",
+                     " ".join({True: "yes", False: "no", None: "-"}[m.get("paris")] for m in (c, p)),
                      p.get("tokens_per_s") or "-", p.get("peak_mb", "-")])  # fmt: skip
     return headers, body
 

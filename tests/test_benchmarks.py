@@ -576,10 +576,13 @@ def test_bench_finetune_quick(tmp_path, capsys):
     # freezing what was not cut leaves the control (nothing cut) as it was: its perplexity is the unpruned one
     assert rows["freeze"]["control"]["trainable"] == 0
     assert rows["freeze"]["control"]["ppl"] == pytest.approx(result["before"]["control"], rel=1e-6)
+    # ...and its greedy continuation of the France prompt is the untouched model's (a bool per model and row)
+    assert rows["freeze"]["control"]["paris"] is result["before"]["paris"]["control"]
+    assert all(isinstance(r[m]["paris"], bool) for r in result["rows"] for m in ("control", "pruned"))
     assert rows["freeze"]["pruned"]["trainable"] > 0 and all(
         r["pruned"]["steps"] == 4 for r in result["rows"] if r["row"] != "freeze"
     )
-    assert "| kd " in out and "pruned / control" in out
+    assert "| kd " in out and "pruned / control" in out and "Paris (c, p)" in out
 
 
 def test_bench_memory_quick(tmp_path, capsys):
