@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "SinvPruned"
 REMOTE_MODULE = "modeling_sinv_prune"
-_AUTO_MAPPINGS = {
+AUTO_MAPPINGS = {
     "AutoModel": "MODEL_MAPPING_NAMES",
     "AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "AutoModelForMaskedLM": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
@@ -119,7 +119,7 @@ def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: P
     if stock_reason is None:
         (layout,) = layouts
         if _heads_pruned(record):
-            _set_head_counts(adapter, config, layout.num_heads, layout.num_kv_heads, record.head_dim)
+            set_head_counts(adapter, config, layout.num_heads, layout.num_kv_heads, record.head_dim)
         for width in widths:  # none in a model whose every layer is MoE
             _set_intermediate(adapter, config, width)
         record.stock_layout = True
@@ -135,7 +135,7 @@ def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: P
         if getattr(adapter, "stock_reload", False) and stock_reason not in _WARNED.setdefault(model, set()):
             _WARNED[model].add(stock_reason)  # once per model and reason, not at every prune of it
             logger.warning("sinv_prune: %s; the checkpoint reloads through trust_remote_code=True", stock_reason)
-        _set_head_counts(adapter, config, record.num_heads, record.num_kv_heads, record.head_dim)
+        set_head_counts(adapter, config, record.num_heads, record.num_kv_heads, record.head_dim)
         _set_intermediate(adapter, config, record.intermediate_size)
         record.stock_layout = False
         model.__class__ = pruned_class(base)
@@ -184,7 +184,7 @@ def _set_intermediate(adapter, config, width: int | None) -> None:
         setattr(config, adapter.config_intermediate_key, width)
 
 
-def _set_head_counts(adapter, config, heads: int, kv_heads: int, head_dim: int) -> None:
+def set_head_counts(adapter, config, heads: int, kv_heads: int, head_dim: int) -> None:
     setattr(config, adapter.config_heads_key, heads)
     if adapter.config_kv_heads_key:
         setattr(config, adapter.config_kv_heads_key, kv_heads)
@@ -194,7 +194,7 @@ def _set_head_counts(adapter, config, heads: int, kv_heads: int, head_dim: int) 
 def _auto_map(model_type: str, class_name: str) -> dict[str, str]:
     """``auto_map`` entries for every Auto class that serves ``model_type``."""
     out = {}
-    for auto, mapping_name in _AUTO_MAPPINGS.items():
+    for auto, mapping_name in AUTO_MAPPINGS.items():
         name = getattr(modeling_auto, mapping_name, {}).get(model_type)
         if isinstance(name, (list, tuple)):
             name = name[0]
