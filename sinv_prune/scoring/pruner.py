@@ -21,15 +21,16 @@ from sinv_prune.scoring.allocation import Context, allocate, check_allocation, g
 from sinv_prune.scoring.amounts import _Budget, check_amount, check_met
 from sinv_prune.scoring.criteria import Criterion, Scores, TraceLike, criterion_class, get_criterion
 from sinv_prune.scoring.obs_ranks import rank_by_obs
-from sinv_prune.scoring.selection import DEFAULT_LAYOUT, MODES, check_layout
 from sinv_prune.surgery import compensation
 from sinv_prune.surgery import removal as surgery
 from sinv_prune.surgery.record import get_record
 from sinv_prune.surgery.removal import PruneSummary, count_parameters
 from sinv_prune.surgery.store import PLACES
+from sinv_prune.surgery.unit import score_rows
 from sinv_prune.units import get_unit, units
-from sinv_prune.units.base import score_rows
+from sinv_prune.units.common import MODES
 from sinv_prune.units.heads import HEADS
+from sinv_prune.units.heads.selection import DEFAULT_LAYOUT, check_layout
 
 logger = logging.getLogger(__name__)
 

@@ -31,13 +31,12 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter
-from sinv_prune.scoring.criteria.base import preserve_modes
-from sinv_prune.scoring.gates import expert_gates
+from sinv_prune.scoring.consumer_statistics import consumer_modules
 from sinv_prune.shrink.space import Genome
 from sinv_prune.shrink.statistics import Picks
-from sinv_prune.surgery.block_inputs import input_device
-from sinv_prune.surgery.consumer_statistics import consumer_modules
+from sinv_prune.surgery.block_inputs import input_device, preserve_modes
 from sinv_prune.surgery.store import Store
+from sinv_prune.units.experts.gates import expert_gates
 from sinv_prune.units.heads import HEADS
 from sinv_prune.units.mlp import MLP
 

@@ -37,8 +37,8 @@ from sinv_prune.arch import HeadAdapter
 from sinv_prune.surgery.keep_tokenizer import remember_tokenizer, tokenizer_source
 from sinv_prune.surgery.rebuild import apply_record
 from sinv_prune.surgery.record import PruningRecord, get_record
+from sinv_prune.surgery.unit import units
 from sinv_prune.symmetry import restore_symmetry_breaking
-from sinv_prune.units import units
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +176,12 @@ def _stock_refusal(adapter, config, record, layouts, widths) -> str | None:
 def dense_widths(adapter: HeadAdapter) -> set[int]:
     """The MLP widths of the dense layers (a mixture-of-experts layer has none)."""
     return {adapter.intermediate_size(i) for i in range(adapter.num_layers) if not adapter.num_experts(i)}
+
+
+def expert_widths(adapter: HeadAdapter) -> tuple[set[int], set[int]]:
+    """The routed-expert widths and the shared-expert widths over the MoE layers."""
+    moe = [i for i in range(adapter.num_layers) if adapter.num_experts(i)]
+    return {adapter.expert_width(i) for i in moe}, {adapter.shared_width(i) for i in moe if adapter.shared_width(i)}
 
 
 def _set_intermediate(adapter, config, width: int | None) -> None:

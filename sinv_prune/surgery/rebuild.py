@@ -10,7 +10,7 @@ from torch import nn
 
 from sinv_prune.arch import get_adapter
 from sinv_prune.surgery.record import PruningRecord
-from sinv_prune.units import units
+from sinv_prune.surgery.unit import units
 
 
 def apply_record(model: nn.Module, record: PruningRecord) -> None:

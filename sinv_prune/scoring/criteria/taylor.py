@@ -8,16 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from sinv_prune.scoring.criteria.base import (
-    Criterion,
-    Scores,
-    batch_to,
-    frozen_parameters,
-    model_device,
-    preserve_modes,
-    to_scores,
-)
+from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, frozen_parameters, model_device, to_scores
 from sinv_prune.scoring.criteria.registry import register_criterion
+from sinv_prune.surgery.block_inputs import preserve_modes
 from sinv_prune.units import get_unit
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
