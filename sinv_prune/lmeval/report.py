@@ -7,6 +7,8 @@ mean of those columns. Rows: the baseline, then every arm after pruning and afte
 
 from __future__ import annotations
 
+from sinv_prune.lmeval.harness import headline
+
 
 def _models(results: dict) -> list[tuple[str, str, dict]]:
     """``(arm, stage, evaluation)`` for the baseline and every arm's pruned and fine-tuned model."""
@@ -26,8 +28,6 @@ def task_names(results: dict) -> list[str]:
 
 
 def _headline(metrics: dict | None):
-    from sinv_prune.lmeval.harness import headline
-
     return headline(metrics) if metrics else None
 
 

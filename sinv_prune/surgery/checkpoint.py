@@ -33,9 +33,8 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto import modeling_auto
 
-from sinv_prune.arch import HeadAdapter
+from sinv_prune.arch import HeadAdapter, get_adapter
 from sinv_prune.surgery.keep_tokenizer import remember_tokenizer, tokenizer_source
-from sinv_prune.surgery.rebuild import apply_record
 from sinv_prune.surgery.record import PruningRecord, get_record
 from sinv_prune.surgery.unit import units
 from sinv_prune.symmetry import restore_symmetry_breaking
@@ -302,3 +301,19 @@ def _drop_gguf_quantizer(model: nn.Module) -> None:
         raise ValueError(f"GGUF weights are still quantized ({odd[0]}, ...); cannot make a trainable model")
     quantizer.remove_quantization_config(model)
     model.hf_quantizer = None  # transformers deletes the attribute; callers expect None
+
+
+def apply_record(model: nn.Module, record: PruningRecord) -> None:
+    """Slice a freshly built model (original head and MLP sizes, current layer count) to ``record``'s shapes."""
+    adapter = get_adapter(model)
+    kept_layers = record.kept_layers()
+    if adapter.num_layers != len(kept_layers):
+        raise ValueError(
+            f"the config builds {adapter.num_layers} layers but the pruning record keeps {len(kept_layers)} "
+            f"of {record.num_layers}"
+        )
+    for current, original in enumerate(kept_layers):
+        for unit in units():
+            unit.rebuild(adapter, current, original, record)
+    for unit in units():  # what the forward reads beyond the shapes (the load-balancing loss's expert count)
+        unit.state_config(model, adapter, record, False)

@@ -1,9 +1,5 @@
-"""Dropping whole blocks: :func:`~sinv_prune.prune` does it after the per-layer cuts.
-
-The per-layer shape changes (slicing heads, channels, experts) are the units' own
-(``sinv_prune/units/<unit>/cuts.py``); they run on a live model and, through the units' ``rebuild``
-(:mod:`sinv_prune.surgery.rebuild`), on a freshly built one before the weights load.
-"""
+"""Dropping whole blocks, which :func:`~sinv_prune.prune` does after the per-layer cuts (those are the
+units' own, ``sinv_prune/units/<unit>/cuts.py``, on a live model and, through ``rebuild``, on a reload)."""
 
 from __future__ import annotations
 

@@ -18,11 +18,8 @@ registered units (:func:`units`, the registry below) instead of naming them:
   numbering (rounds);
 * ``info`` / ``card_label`` / ``card_text``: its words in ``sinv-prune info`` and the Hub card.
 
-Whole-layer units (``whole_layers``) are dropped by the removal itself after the per-layer cuts.
-
-The contract and the registry live in ``surgery/`` because the removal, the rebuild and the checkpoint
-routes iterate over the registered units, while the units (:mod:`sinv_prune.units`, one folder each)
-use the surgery's record and cuts: the imports run one way.
+Whole-layer units (``whole_layers``) are dropped by the removal itself after the per-layer cuts. Here, in
+``surgery/``, because the removal and reload iterate over the units, which use the surgery's record and cuts.
 """
 
 from __future__ import annotations

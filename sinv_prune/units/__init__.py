@@ -1,10 +1,6 @@
-"""Prunable units, one folder each, registered by name: ``heads``, ``mlp`` (channels), ``experts``, ``layers``.
-
-A unit's folder holds its :class:`Unit` subclass (``__init__.py``) and, where it has them, its selection,
-gates and cuts (``selection.py``, ``gates.py``, ``cuts.py``); :mod:`sinv_prune.units.common` what several
-share. The contract and the registry are :mod:`sinv_prune.surgery.unit` (the removal iterates over the
-registered units), re-exported here. A new unit is one more folder: subclass :class:`Unit`, register an
-instance with :func:`register_unit` (see docs/design-notes.md, "Adding a unit").
+"""Prunable units, one folder each (the unit, its selection, gates, cuts), registered by name: ``heads``,
+``mlp`` (channels), ``experts``, ``layers``. The contract and registry (:mod:`sinv_prune.surgery.unit`) are
+re-exported here; a new unit is one more folder (docs/design-notes.md, "Adding a unit").
 """
 
 # Registration order is cut order (attention before the MLP and its experts); whole layers go first anyway.

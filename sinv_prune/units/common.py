@@ -1,9 +1,4 @@
-"""What more than one unit's folder uses: the ranks, amounts and knapsack of the selections, and the gate hook.
-
-The selections (:mod:`sinv_prune.units.heads.selection`, :mod:`sinv_prune.units.mlp.selection`, the layers'
-and experts') rank items alike and share the knapsack over layers; head and channel gates scale their
-consumer's input the same way.
-"""
+"""What several units share: the selections' modes, amounts, ranks and knapsack over layers; the gate hook."""
 
 from __future__ import annotations
 

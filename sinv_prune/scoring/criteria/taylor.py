@@ -23,9 +23,9 @@ class TaylorCriterion(Criterion):
     As in the authors' code (``compute_heads_importance``): each batch's gate gradient
     (a sum over its tokens) is taken in absolute value and accumulated over batches,
     then each layer is divided by the L2 norm of its heads' importances
-    (``normalize=True``). Gates come from :func:`sinv_prune.scoring.gates.head_gates`
-    (``unit="mlp"``: :func:`~sinv_prune.scoring.gates.channel_gates`, one gate per MLP channel at
-    the down projection's input; ``unit="experts"``: :func:`~sinv_prune.scoring.gates.expert_gates`, one
+    (``normalize=True``). Gates come from :func:`sinv_prune.units.heads.gates.head_gates`
+    (``unit="mlp"``: :func:`~sinv_prune.units.mlp.gates.channel_gates`, one gate per MLP channel at
+    the down projection's input; ``unit="experts"``: :func:`~sinv_prune.units.experts.gates.expert_gates`, one
     gate per routed expert on its routing probability); gradients are taken with ``torch.autograd.grad`` on the
     gates only, and every parameter has ``requires_grad`` off during the pass (flags restored
     after), so no ``.grad`` lands on the model's parameters and autograd keeps no graph for

@@ -1,8 +1,5 @@
-"""Whole layers: transformer blocks dropped from the stack (block output = block input).
-
-Selected by :func:`select_layers`; the removal itself drops the blocks after the per-layer cuts
-(:func:`sinv_prune.surgery.shapes.drop_layers`, which renumbers what indexes layers).
-"""
+"""Whole layers: transformer blocks dropped from the stack (block output = block input); the removal drops
+them (:func:`sinv_prune.surgery.shapes.drop_layers`) after the per-layer cuts."""
 
 from __future__ import annotations
 
