@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from bench_criteria import stream, tiny_stand_in  # noqa: E402
 
 from sinv_prune import HeadPruner, Part, Pruner, get_adapter  # noqa: E402
-from sinv_prune.pipeline.data import lm_blocks  # noqa: E402
+from sinv_prune.data import lm_blocks  # noqa: E402
 from sinv_prune.pipeline.evaluation import perplexity  # noqa: E402
 from sinv_prune.pipeline.recipe import FinetuneSpec  # noqa: E402
 from sinv_prune.pipeline.training import run_trainer  # noqa: E402

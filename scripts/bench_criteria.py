@@ -48,7 +48,7 @@ import _bench_common as common  # noqa: E402
 
 import sinv_prune  # noqa: E402
 from sinv_prune import HeadPruner, count_parameters, get_adapter  # noqa: E402
-from sinv_prune.pipeline.data import token_ids  # noqa: E402
+from sinv_prune.data import token_ids  # noqa: E402
 from sinv_prune.pipeline.evaluation import perplexity  # noqa: E402
 from sinv_prune.scoring.criteria import StoredScores  # noqa: E402
 
@@ -146,7 +146,7 @@ def load(args):
 
 def tiny_stand_in(why: str, seed: int, max_chars: int = 400_000, vocab_size: int = 2000):
     """(tiny random LLaMA, word tokenizer trained on valid.txt, info): what a script runs without SmolLM2."""
-    from sinv_prune.pipeline.data import train_tokenizer
+    from sinv_prune.data import train_tokenizer
 
     lines = common.read_lines(common.wikitext_file("valid"), max_chars=max_chars)
     tokenizer = train_tokenizer(lines, kind="word", vocab_size=vocab_size)

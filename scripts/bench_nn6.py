@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as common  # noqa: E402
 
 from sinv_prune import HeadPruner, count_parameters, prune_heads, stop_rule, track  # noqa: E402
-from sinv_prune.pipeline.data import token_ids, train_tokenizer  # noqa: E402
+from sinv_prune.data import token_ids, train_tokenizer  # noqa: E402
 from sinv_prune.pipeline.evaluation import perplexity  # noqa: E402
 from sinv_prune.pipeline.tracking import rule_max  # noqa: E402
 

@@ -15,7 +15,7 @@ Data: WikiText-2 has no training split on this machine (``../shared/data/wikitex
 validation and test splits only), so the model **trains on ``valid.txt`` and is evaluated on
 ``test.txt``**; the table says so. The tokenizer is trained on ``valid.txt`` (the most frequent
 ``--vocab`` words; the rest become ``[UNK]``, on both splits). Without the WikiText-2 files
-``--data synthetic`` (and ``--quick``, automatically) uses ``sinv_prune.pipeline.data.synthetic_corpus``.
+``--data synthetic`` (and ``--quick``, automatically) uses ``sinv_prune.data.synthetic_corpus``.
 
 Training: batches of ``--batch`` random windows of ``--seq-len`` tokens, the same windows for
 every optimizer / breaking arm of a seed; constant learning rate, no warm-up; dropout 0.
@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from sinv_prune.pipeline.data import synthetic_corpus, token_ids, train_tokenizer
+from sinv_prune.data import synthetic_corpus, token_ids, train_tokenizer
 from sinv_prune.pipeline.evaluation import perplexity
 from sinv_prune.scoring.measures import head_measures
 from sinv_prune.symmetry import (
@@ -181,7 +181,7 @@ def load_data(args) -> dict:
         corpus = synthetic_corpus(num_train=4000 if args.quick else 20000, num_valid=10, num_test=600, seed=0)
         train_lines, eval_lines = corpus["train"]["text"], corpus["test"]["text"]
         train_name, eval_name = "synthetic_corpus(seed=0) train", "synthetic_corpus(seed=0) test"
-        note = "synthetic corpus (sinv_prune.pipeline.data.synthetic_corpus), not WikiText-2"
+        note = "synthetic corpus (sinv_prune.data.synthetic_corpus), not WikiText-2"
     tokenizer = train_tokenizer(train_lines, "word", vocab_size=args.vocab)
     train_ids, eval_ids = token_ids(train_lines, tokenizer), token_ids(eval_lines, tokenizer)
     unk = tokenizer.unk_token_id

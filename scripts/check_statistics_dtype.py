@@ -1,7 +1,7 @@
 """Does shrink lose anything by keeping its calibration statistics in float32? float32 against float64, on SmolLM2.
 
 ``shrink`` keeps, per layer, the Gram and cross matrices of ``o_proj`` and ``down_proj`` (fit and held-out
-sequences apart; :class:`~sinv_prune.surgery.consumer_statistics.Statistics`). Each batch's products are
+sequences apart; :class:`~sinv_prune.scoring.consumer_statistics.Statistics`). Each batch's products are
 float32; a layer's sums are accumulated over the batches while its block runs and then stored. Three ways:
 
 * ``float64``: accumulated and stored in float64 (what shrink kept before);
@@ -37,8 +37,8 @@ import torch  # noqa: E402
 
 from sinv_prune.arch import get_adapter  # noqa: E402
 from sinv_prune.arch.base import head_rows  # noqa: E402
+from sinv_prune.scoring.consumer_statistics import Statistics  # noqa: E402
 from sinv_prune.surgery.compensation import guarded_refit  # noqa: E402
-from sinv_prune.surgery.consumer_statistics import Statistics  # noqa: E402
 from sinv_prune.surgery.obs import obs_channel_order, obs_order  # noqa: E402
 from sinv_prune.surgery.refit import consumer_weights  # noqa: E402
 

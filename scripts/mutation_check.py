@@ -110,50 +110,50 @@ FAULTS: list[Fault] = [
     ),
     Fault(
         "shapes: shared expert left unsliced when one channel goes (off by one)",
-        "sinv_prune/surgery/shapes.py",
+        "sinv_prune/units/mlp/cuts.py",
         "if 0 < len(shared) < adapter.shared_width(layer):",
         "if 0 < len(shared) < adapter.shared_width(layer) - 1:",
         (T_MIXED, "tests/test_moe_channels.py"),
     ),
-    # -- units/experts.py
+    # -- units/experts/
     Fault(
         "experts: config expert count stays the original (stale attribute)",
-        "sinv_prune/units/experts.py",
+        "sinv_prune/units/experts/__init__.py",
         "setattr(model.config, adapter.config_experts_key, count)",
         "setattr(model.config, adapter.config_experts_key, record.num_experts)",
         (EVEN_LOSS,),
     ),
     Fault(
         "experts: model.num_experts stays the original",
-        "sinv_prune/units/experts.py",
+        "sinv_prune/units/experts/__init__.py",
         "model.num_experts = max(counts) if uneven else count",
         "model.num_experts = record.num_experts",
         (EVEN_LOSS, UNEVEN_LOSS),
     ),
     Fault(
         "experts: router logits never padded for uneven counts",
-        "sinv_prune/units/experts.py",
+        "sinv_prune/units/experts/__init__.py",
         "_pad_router_logits_when(adapter.base, uneven)",
         "_pad_router_logits_when(adapter.base, False)",
         (UNEVEN_LOSS,),
     ),
     Fault(
         "experts: record keeps current numbering, not original",
-        "sinv_prune/units/experts.py",
+        "sinv_prune/units/experts/__init__.py",
         "removed_original = [kept_original[e] for e in removed]",
         "removed_original = list(removed)",
         (SECOND_CUT, T_MIXED),
     ),
     Fault(
         "experts: floor of kept experts is top_k - 1",
-        "sinv_prune/units/experts.py",
+        "sinv_prune/units/experts/__init__.py",
         "return max(top_k, min_per_layer or 0)",
         "return max(top_k - 1, min_per_layer or 0)",
         (FLOOR, REFUSALS, ALLOCATIONS, PART),
     ),
     Fault(
         "experts: rebuild slices even when the config built the kept count",
-        "sinv_prune/units/experts.py",
+        "sinv_prune/units/experts/__init__.py",
         "        if count == len(kept):\n            return\n",
         "",
         (f"{T_EXP}::test_uniform_cut_reloads_on_the_stock_class_in_per_expert_keys", T_MIXED),
@@ -230,24 +230,24 @@ FAULTS: list[Fault] = [
         "keep = mask.reshape(-1).to(hidden.device) >= 0",
         (f"{T_CRIT}::test_padding_tokens_are_ignored",),
     ),
-    # -- surgery/consumer_statistics.py
+    # -- scoring/consumer_statistics.py
     Fault(
         "statistics: held-out batches accumulated into the fit sums",
-        "sinv_prune/surgery/consumer_statistics.py",
+        "sinv_prune/scoring/consumer_statistics.py",
         'fits[key][int(held[current["batch"]])].update(',
         "fits[key][0].update(",
         (T_CS,),
     ),
     Fault(
         "statistics: REAP reads the held-out batches too",
-        "sinv_prune/surgery/consumer_statistics.py",
+        "sinv_prune/scoring/consumer_statistics.py",
         "else [not h for h in held]",
         "else [True for h in held]",
         (T_CS, T_SHRINK_E),
     ),
     Fault(
         "statistics: block influence is cos, not 1 - cos",
-        "sinv_prune/surgery/consumer_statistics.py",
+        "sinv_prune/scoring/consumer_statistics.py",
         "total += (1 - cos).sum()",
         "total += cos.sum()",
         (T_CS, f"{T_SHRINK}::test_a_block_that_does_nothing_is_the_one_dropped"),
@@ -255,7 +255,7 @@ FAULTS: list[Fault] = [
     # -- surgery/store.py
     Fault(
         "store: one key per unit (layer left out of the key)",
-        "sinv_prune/surgery/consumer_statistics.py",
+        "sinv_prune/scoring/consumer_statistics.py",
         'return f"{key[0]}.{key[1]}"',
         'return f"{key[0]}"',
         (T_CS, T_STORE),

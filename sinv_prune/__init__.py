@@ -6,16 +6,18 @@ from sinv_prune.hub.push import push_pruned
 from sinv_prune.pipeline.tracking import ConvergenceCallback, HeadFreezer, stop_rule, track
 from sinv_prune.scoring.criteria import Criterion, available_criteria, get_criterion, register_criterion
 from sinv_prune.scoring.diagnostics import plot_trace, summarize_trace, time_to_threshold
-from sinv_prune.scoring.gates import channel_gates, head_gates
 from sinv_prune.scoring.measures import head_measures
 from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
-from sinv_prune.scoring.selection import select_heads
-from sinv_prune.scoring.selection_units import select_channels, select_layers
 from sinv_prune.shrink import ShrinkResult, shrink
 from sinv_prune.surgery.checkpoint import from_pretrained
 from sinv_prune.surgery.removal import PruneSummary, count_parameters, prune, prune_heads
 from sinv_prune.symmetry import ECD, add_symmetry_breaking, build_optimizer, restore_symmetry_breaking
 from sinv_prune.units import Unit, get_unit, register_unit, unit_names
+from sinv_prune.units.heads.gates import head_gates
+from sinv_prune.units.heads.selection import select_heads
+from sinv_prune.units.layers import select_layers
+from sinv_prune.units.mlp.gates import channel_gates
+from sinv_prune.units.mlp.selection import select_channels
 from sinv_prune.version import __version__
 
 __all__ = [

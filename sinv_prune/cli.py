@@ -294,8 +294,8 @@ def _print_memory(recipe, device: str | None) -> None:
 def _run(recipe, output: Path, *, verbose: bool = False, **kwargs) -> None:
     from sinv_prune.pipeline.ranks import main_by_env
     from sinv_prune.pipeline.recipe import RecipeError
-    from sinv_prune.pipeline.rundir import RunDirError
     from sinv_prune.pipeline.stages import RunStageError, run_recipe
+    from sinv_prune.rundir import RunDirError
 
     main = main_by_env()  # under torchrun / accelerate launch only the main process prints and cleans up
     fresh = main and not output.exists()
@@ -797,8 +797,8 @@ def push(source: Path, repo_id: str, private: bool, revision, overwrite: bool, c
 def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens, gguf_file, tokenizer, device,
           json_path, overwrite, quiet, verbose):  # fmt: skip
     """Zero-shot tasks (lm-evaluation-harness) on the model at SOURCE: a checkpoint directory, Hub id or GGUF file."""
-    from sinv_prune.lmeval.command import evaluate_source
     from sinv_prune.lmeval.harness import TasksError, make_table, require_lm_eval
+    from sinv_prune.pipeline.eval_command import evaluate_source
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names and not perplexity:
@@ -831,7 +831,7 @@ def eval_(source, tasks, limit, num_fewshot, batch_size, perplexity, max_tokens,
         click.echo(f"WikiText-2 test perplexity: {ppl['perplexity']:.3f} ({ppl['tokens']:,} tokens, windows of "
                    f"{ppl['seq_len']}, stride {ppl['stride']})")  # fmt: skip
     if json_path is not None:
-        from sinv_prune.pipeline.rundir import write_json
+        from sinv_prune.rundir import write_json
 
         write_json(json_path, {k: v for k, v in out.items() if k != "raw"})
         click.echo(f"wrote {json_path}")
@@ -907,8 +907,8 @@ def export(source: str, output: Path, type_: str, gguf_file: str | None, tokeniz
 
 def _export_tokenizer(model, path: str, gguf_file: str | None, run: Path | None, explicit: str | None):
     """(transformers tokenizer, GGUF file to copy the tokenizer keys from) for ``sinv-prune export``."""
+    from sinv_prune.data import load_model_tokenizer
     from sinv_prune.deploy.sources import run_gguf_source, tokenizer_dir
-    from sinv_prune.pipeline.data import load_model_tokenizer
 
     local = Path(path)
     try:
@@ -944,7 +944,7 @@ def _export_tokenizer(model, path: str, gguf_file: str | None, run: Path | None,
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 def align(model: str, output: Path, layers: tuple[int, ...], top_k: int, gguf_file: str | None, overwrite: bool):
     """Tokens whose keys align most and least with E[b_Q], per head (symmetry-breaking analysis)."""
-    from sinv_prune.symmetry.report import alignment_report
+    from sinv_prune.pipeline.report_alignment import alignment_report
 
     if output.exists() and not overwrite:
         raise UsageError(f"{output} exists; pass --overwrite to replace it")

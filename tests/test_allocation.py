@@ -22,7 +22,7 @@ from sinv_prune.scoring.allocation import (
     register,
     unregister,
 )
-from sinv_prune.scoring.selection_units import select_channels, standardize
+from sinv_prune.units.mlp.selection import select_channels, standardize
 
 
 def _groups(rows, cost=1, multiple=1, least=1):

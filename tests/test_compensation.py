@@ -13,7 +13,8 @@ import sinv_prune
 from sinv_prune.arch import get_adapter
 from sinv_prune.arch.base import head_rows
 from sinv_prune.surgery.refit import ConsumerFit
-from sinv_prune.surgery.removal import apply_layer, plan_removal
+from sinv_prune.units.heads import plan_removal
+from sinv_prune.units.heads.cuts import apply_layer
 
 # Heads removed per architecture: several layers, and under GQA a whole KV group (llama layer 1).
 HEADS = {

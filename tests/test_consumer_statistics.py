@@ -8,8 +8,8 @@ from conftest import tiny_model
 from test_experts import tiny_moe
 
 from sinv_prune.arch import get_adapter
+from sinv_prune.scoring.consumer_statistics import Statistics, _batches
 from sinv_prune.scoring.criteria.routing import ReapCriterion
-from sinv_prune.surgery.consumer_statistics import Statistics, _batches
 from sinv_prune.surgery.store import Store
 
 

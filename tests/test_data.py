@@ -1,4 +1,4 @@
-"""Corpora, text loading, tokenizers, token streams and training blocks (sinv_prune.pipeline.data)."""
+"""Corpora, text loading, tokenizers, token streams and training blocks (sinv_prune.data)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import transformers
 from conftest import WIKITEXT, wikitext
 
-from sinv_prune.pipeline import data
+from sinv_prune import data
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from transformers import TrainerCallback, TrainingArguments
 
 import sinv_prune
 from sinv_prune.cli import main
+from sinv_prune.data import lm_blocks
 from sinv_prune.pipeline import stages as pipeline
-from sinv_prune.pipeline.data import lm_blocks
 from sinv_prune.pipeline.distill import DistillClosureTrainer, DistillTrainer, distillation_kl
 from sinv_prune.pipeline.preflight import preflight
 from sinv_prune.pipeline.recipe import RecipeError, validate_recipe

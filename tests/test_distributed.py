@@ -24,7 +24,7 @@ import pytest
 import yaml
 from test_pipeline import TINY, invoke, recipe_file
 
-from sinv_prune.pipeline import data as data_mod
+from sinv_prune import data as data_mod
 from sinv_prune.pipeline import stages as pipeline
 from sinv_prune.pipeline.recipe import validate_recipe
 from sinv_prune.pipeline.starting_model import build_model

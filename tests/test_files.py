@@ -16,7 +16,7 @@ from conftest import tiny_model
 
 import sinv_prune
 from sinv_prune.cli import main
-from sinv_prune.pipeline.rundir import write_dir, write_json, write_text
+from sinv_prune.rundir import write_dir, write_json, write_text
 from sinv_prune.strict_json import with_null_reasons
 
 

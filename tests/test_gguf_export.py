@@ -310,8 +310,8 @@ def test_smollm2_uneven_compensated_runs_in_llama_cpp(tmp_path):
 
     from conftest import smollm2_model, wikitext
 
+    from sinv_prune.data import load_model_tokenizer
     from sinv_prune.deploy.gguf_verify import verify_gguf
-    from sinv_prune.pipeline.data import load_model_tokenizer
 
     model = smollm2_model()
     tokenizer = load_model_tokenizer(model.sinv_gguf_source)
@@ -365,8 +365,8 @@ def test_smollm2_uniform_cut_passes_the_f32_round_trip_a_perturbed_file_does_not
     pytest.importorskip("llama_cpp")
     from conftest import smollm2_model
 
+    from sinv_prune.data import load_model_tokenizer
     from sinv_prune.deploy.errors import RoundTripFailed
-    from sinv_prune.pipeline.data import load_model_tokenizer
 
     model = smollm2_model()
     tokenizer = load_model_tokenizer(model.sinv_gguf_source)

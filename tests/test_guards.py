@@ -18,7 +18,7 @@ from conftest import tiny_model
 import sinv_prune
 from sinv_prune.cli import main
 from sinv_prune.pipeline.recipe import RecipeError, validate_recipe
-from sinv_prune.pipeline.rundir import write_dir, write_text
+from sinv_prune.rundir import write_dir, write_text
 
 SECRET = "hf_RecipeTokenThatMustNotBeAccepted9"
 

@@ -525,8 +525,8 @@ def test_a_token_lookup_error_is_scrubbed(monkeypatch):
 def test_an_upload_error_quoting_the_token_does_not_leak_it(hub, run_dir, tmp_path, monkeypatch, caplog,
                                                             worker_in_process):  # fmt: skip
     """The recipe's push stage: the upload client fails after the reload check, quoting the token."""
-    from sinv_prune.pipeline.rundir import RunDir
     from sinv_prune.pipeline.stages import Run, RunStageError, _log_to_file, stage_push
+    from sinv_prune.rundir import RunDir
 
     def fail(*args, **kwargs):
         raise OSError(f"upload rejected for {ODD}, Authorization: Bearer {ODD}\nretry later")
@@ -633,8 +633,8 @@ def test_card_of_an_unpruned_model_says_so():
 
 def test_recipe_push_stage_pushes_each_arm_once(hub, run_dir, worker_in_process):
     """The pipeline's push stage: repo id per arm, recorded in state.json, skipped when done."""
-    from sinv_prune.pipeline.rundir import RunDir
     from sinv_prune.pipeline.stages import Run, stage_push
+    from sinv_prune.rundir import RunDir
 
     recipe = yaml.safe_load((run_dir.root / "recipe.yaml").read_text())
     recipe["push"] = {"repo_id": "tester/tiny-{arm}", "private": True}

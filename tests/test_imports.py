@@ -1,4 +1,5 @@
-"""The package's imports run one way: no module of ``sinv_prune`` reaches itself through its imports.
+"""The package's imports run one way: no module of ``sinv_prune`` reaches itself through its imports, no
+module imports from a package later in :data:`LAYERS`, and no underscore name crosses a package.
 
 The graph is read with ``ast`` from every module's source, module-level and function-level imports
 alike (a function-level import only hides a circle until the function runs). ``from pkg import name``
@@ -9,6 +10,7 @@ Python runs on the way is not an edge (every module would otherwise import ``sin
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,19 +41,30 @@ def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports anywhere in its source."""
-    graph: dict[str, set[str]] = {name: set() for name in modules}
+def imports(modules: dict[str, Path]) -> Iterator[tuple[str, str, str]]:
+    """``(module, source, name)`` for every import anywhere in the modules' source: ``import a.b`` gives
+    ``(module, "a.b", "")``, ``from pkg import name`` gives ``(module, pkg, name)`` (relative levels resolved)."""
     for module, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
+                yield from ((module, alias.name, "") for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
                 source = _absolute(node, module, path.name == "__init__.py")
-                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
-            else:
-                continue
-            graph[module].update(t for t in targets if t in modules and t != module)
+                yield from ((module, source, alias.name) for alias in node.names)
+
+
+def _target(source: str, name: str, modules: dict[str, Path]) -> str:
+    """The module an import points at: ``source.name`` when that is a module, else ``source``."""
+    return f"{source}.{name}" if name and f"{source}.{name}" in modules else source
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its source."""
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for module, source, name in imports(modules):
+        target = _target(source, name, modules)
+        if target in modules and target != module:
+            graph[module].add(target)
     return graph
 
 
@@ -114,6 +127,65 @@ def _circle(graph: dict[str, set[str]], group: list[str]) -> list[str]:
 def test_package_has_no_import_cycles():
     cycles = find_cycles(import_graph(module_files()))
     assert not cycles, "import cycles in sinv_prune: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+#: The package's layers, lowest first (docs/design-notes.md, "Package layout"): a module imports from its own
+#: layer and those before it only. Each entry names ``sinv_prune``'s top-level modules and packages; ``""``
+#: is ``sinv_prune/__init__``.
+LAYERS = (
+    ("version", "progress", "log_level", "strict_json", "filemodes", "data", "rundir"),
+    ("arch",),
+    ("symmetry",),
+    ("surgery",),
+    ("units",),
+    ("scoring",),
+    ("deploy",),
+    ("lmeval",),
+    ("hub",),
+    ("shrink",),
+    ("pipeline",),
+    ("cli", "checkpoint", "modeling_sinv_prune"),
+    ("",),
+)
+
+
+def top_level(module: str) -> str:
+    """``sinv_prune.scoring.criteria.base`` -> ``scoring``; ``sinv_prune`` itself -> ``""``."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def layer(module: str) -> int:
+    top = top_level(module)
+    found = [i for i, names in enumerate(LAYERS) if top in names]
+    assert found, f"{module}: {top!r} is in no layer of LAYERS (tests/test_imports.py); place it there and in the docs"
+    return found[0]
+
+
+def order_violations(modules: dict[str, Path]) -> list[str]:
+    """``"a -> b"`` for every import of a module ``b`` in a later layer than ``a``'s."""
+    graph = import_graph(modules)
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer(b) > layer(a))
+
+
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    """``"a imports b._name"`` for every underscore name ``a`` imports from another top-level package."""
+    found = set()
+    for module, source, name in imports(modules):
+        target = _target(source, name, modules)
+        crosses = target in modules and top_level(target) != top_level(module)
+        if crosses and name.startswith("_") and not name.endswith("__"):
+            found.add(f"{module} imports {source}.{name}")
+    return sorted(found)
+
+
+def test_imports_follow_the_layers():
+    wrong = order_violations(module_files())
+    assert not wrong, f"{len(wrong)} imports from a later layer (LAYERS, docs/design-notes.md): " + "; ".join(wrong)
+
+
+def test_no_private_name_crosses_a_package():
+    wrong = private_imports(module_files())
+    assert not wrong, f"{len(wrong)} underscore names imported across packages: " + "; ".join(wrong)
 
 
 def test_walk_sees_function_level_and_relative_imports(tmp_path):

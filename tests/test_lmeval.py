@@ -16,9 +16,9 @@ from transformers.modeling_outputs import CausalLMOutput
 pytest.importorskip("lm_eval", reason='lm-eval is not installed (pip install "sinv_prune[eval]")')
 
 import sinv_prune  # noqa: E402
+from sinv_prune.data import train_tokenizer  # noqa: E402
 from sinv_prune.lmeval import evaluate_tasks, resolve_tasks  # noqa: E402
 from sinv_prune.lmeval.lastword import build_lastword_task, lastword_items  # noqa: E402
-from sinv_prune.pipeline.data import train_tokenizer  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
 
 WORDS = ["red", "blue", "green", "cat", "dog", "bird", "runs", "sees", "eats", "big", "small", "the", "a", "of", "and"]
@@ -186,7 +186,7 @@ def test_a_gguf_loaded_model_evaluates_through_the_cli(tmp_path):
 
 def test_a_group_is_one_column_with_its_aggregate(tmp_path):
     from sinv_prune.lmeval import TaskSet
-    from sinv_prune.pipeline.report_tasks import task_lines
+    from sinv_prune.lmeval.report import task_lines
 
     task_dir = mc_task(tmp_path / "tasks", name="mc_a")
     mc_task(tmp_path / "tasks", name="mc_b", seed=1, n=10)

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from sinv_prune.arch import get_adapter
 from sinv_prune.cli import main
 from sinv_prune.pipeline import memory_model
+from sinv_prune.scoring.consumer_statistics import Statistics
 from sinv_prune.surgery import checkpoint
-from sinv_prune.surgery.consumer_statistics import Statistics
 
 VOCAB = 64
 

@@ -21,7 +21,7 @@ from test_compensation import calibration
 from test_experts import tiny_moe
 
 import sinv_prune
-from sinv_prune.pipeline.data import train_tokenizer
+from sinv_prune.data import train_tokenizer
 from sinv_prune.surgery.offload import apply_offload, is_offloaded, offload_device_map, offloaded_reason
 
 PLAN_LLAMA = {"heads": {0: [1, 4]}, "mlp": {1: [0, 3, 5, 7, 11]}, "layers": [2]}

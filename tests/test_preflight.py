@@ -66,7 +66,7 @@ def test_a_vocabulary_llama_cpp_knows_passes_and_one_larger_than_the_model_does_
     """SmolLM2's tokenizer (byte-level BPE, pre-tokenizer 'smollm') with models that embed all of it, or not."""
     from conftest import smollm2_gguf
 
-    from sinv_prune.pipeline.data import load_model_tokenizer
+    from sinv_prune.data import load_model_tokenizer
     from sinv_prune.pipeline.recipe import RecipeError
 
     tokenizer = load_model_tokenizer(smollm2_gguf())

@@ -15,10 +15,10 @@ from sinv_prune import channel_gates, get_adapter, head_gates, head_measures, pr
 from sinv_prune.pipeline.recipe import validate_recipe
 from sinv_prune.scoring.criteria import BlockInfluenceCriterion, Criterion, RandomCriterion, get_criterion
 from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner
-from sinv_prune.scoring.selection import model_layouts, select_heads
 from sinv_prune.surgery import removal as surgery
 from sinv_prune.surgery.record import get_record
 from sinv_prune.surgery.removal import PruneSummary
+from sinv_prune.units.heads.selection import model_layouts, select_heads
 
 
 def masked_output(model, heads: dict[int, list[int]], inputs) -> torch.Tensor:

@@ -22,7 +22,7 @@ from sinv_prune.pipeline.recipe import (
     validate_recipe,
 )
 from sinv_prune.pipeline.stages import arm_heads
-from sinv_prune.scoring.selection import DEFAULT_LAYOUT, LAYOUTS
+from sinv_prune.units.heads.selection import DEFAULT_LAYOUT, LAYOUTS
 
 GOOD = {
     "name": "tiny",

@@ -17,7 +17,7 @@ from test_pipeline import TINY, StopAfterFirstSave, invoke, recipe_file
 from transformers import TrainerCallback
 
 import sinv_prune
-from sinv_prune.pipeline import data as data_mod
+from sinv_prune import data as data_mod
 from sinv_prune.pipeline import estimate
 from sinv_prune.pipeline import stages as pipeline
 from sinv_prune.pipeline.model_settings import default_target_modules, input_device, load_kwargs, unloadable_reason

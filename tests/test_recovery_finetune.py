@@ -18,8 +18,8 @@ from test_distill import BASE, batch, finetune_spec, peaked_teacher
 from test_training import word_tokenizer
 
 from sinv_prune.cli import main
+from sinv_prune.data import token_ids
 from sinv_prune.pipeline import estimate
-from sinv_prune.pipeline.data import token_ids
 from sinv_prune.pipeline.data_stream import Blocks, load_blocks, pack_rows, stream_blocks
 from sinv_prune.pipeline.distill import DistillTrainer, distillation_kl
 from sinv_prune.pipeline.distill_cache import TeacherCache, build_cache, topk_kl

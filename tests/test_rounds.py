@@ -13,9 +13,9 @@ from conftest import model_inputs, model_output, tiny_model
 from sinv_prune import Part, Pruner, get_adapter
 from sinv_prune.scoring.criteria import get_criterion
 from sinv_prune.scoring.criteria.base import Criterion, channel_counts
-from sinv_prune.scoring.selection_units import select_channels
 from sinv_prune.surgery import removal as surgery
 from sinv_prune.surgery.record import get_record
+from sinv_prune.units.mlp.selection import select_channels
 
 
 class Spy(Criterion):

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from sinv_prune import get_adapter, prune_heads
 from sinv_prune.arch import HeadLayout
-from sinv_prune.scoring.selection import model_layouts, select_heads
-from sinv_prune.surgery.removal import plan_removal
+from sinv_prune.units.heads import plan_removal
+from sinv_prune.units.heads.selection import model_layouts, select_heads
 
 # -- an independent oracle: brute force over every subset of heads ------------------------
 

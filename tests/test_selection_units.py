@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_model
 
 from sinv_prune import select_channels, select_layers
-from sinv_prune.scoring.selection_units import standardize
+from sinv_prune.units.mlp.selection import standardize
 
 
 def random_scores(sizes: list[int], seed: int = 0) -> list[list[float]]:

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import sinv_prune
 from sinv_prune.cli import main
-from sinv_prune.pipeline.data import train_tokenizer
+from sinv_prune.data import train_tokenizer
 from sinv_prune.scoring.allocation import non_embedding_parameters
 
 VOCAB = 96

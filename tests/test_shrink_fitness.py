@@ -13,11 +13,11 @@ from test_shrink import sequences, tiny_llama
 
 from sinv_prune.arch import get_adapter
 from sinv_prune.scoring.allocation import non_embedding_parameters
+from sinv_prune.scoring.consumer_statistics import Statistics
 from sinv_prune.shrink.fitness import Candidates
 from sinv_prune.shrink.search import model_units, seed_genomes
 from sinv_prune.shrink.space import build_space
 from sinv_prune.shrink.statistics import Picks
-from sinv_prune.surgery.consumer_statistics import Statistics
 from sinv_prune.surgery.store import Store
 
 

@@ -96,8 +96,8 @@ def _run_cli(recipe: dict, tmp_path: Path):
 
 
 def test_recipe_with_export_shows_gguf_type_and_size_in_summary_report_and_card(tmp_path):
+    from sinv_prune.hub.model_card import file_size
     from sinv_prune.hub.push import build_card
-    from sinv_prune.pipeline.report import file_size
 
     output, out = _run_cli(GGUF_RECIPE, tmp_path)
     results = json.loads((out / "results.json").read_text())

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_model
 
-from sinv_prune.pipeline.data import train_tokenizer
+from sinv_prune.data import train_tokenizer
+from sinv_prune.pipeline.report_alignment import alignment_report
 from sinv_prune.symmetry import add_symmetry_breaking
-from sinv_prune.symmetry.report import alignment_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 WORDS = [f"w{i}" for i in range(VOCAB - 4)]  # and 4 special tokens

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 pytest.importorskip("lm_eval", reason='lm-eval is not installed (pip install "sinv_prune[eval]")')
 
 import sinv_prune  # noqa: E402
+from sinv_prune import data as data_mod  # noqa: E402
 from sinv_prune.cli import main  # noqa: E402
-from sinv_prune.pipeline import data as data_mod  # noqa: E402
 from tests.test_lmeval import fake_wikitext, mc_task  # noqa: E402
 
 SYNTHETIC = {"seed": 0, "num_train": 200, "num_valid": 30, "num_test": 30}

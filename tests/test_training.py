@@ -13,7 +13,7 @@ from conftest import VOCAB, tiny_model
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from sinv_prune.cli import main
-from sinv_prune.pipeline.data import lm_blocks
+from sinv_prune.data import lm_blocks
 from sinv_prune.pipeline.recipe import (
     FINETUNE_RECIPE_DEFAULTS,
     RecipeError,

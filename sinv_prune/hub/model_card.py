@@ -18,9 +18,8 @@ import yaml
 from huggingface_hub import ModelCardData
 from transformers.models.auto import modeling_auto
 
-from sinv_prune.pipeline.report import file_size, gguf_cell, speed_cell
-from sinv_prune.pipeline.report_tasks import pins_text, task_cell, task_header, task_names, task_pins
-from sinv_prune.surgery.checkpoint import _AUTO_MAPPINGS, PREFIX
+from sinv_prune.lmeval.report import pins_text, task_cell, task_header, task_names, task_pins
+from sinv_prune.surgery.checkpoint import AUTO_MAPPINGS, PREFIX
 from sinv_prune.surgery.record import get_record
 from sinv_prune.units import units
 from sinv_prune.units.heads import HEADS
@@ -41,7 +40,7 @@ STAGE_WORDS = {"pruned": "pruned, not fine-tuned", "finetuned": "pruned, then fi
 
 def auto_class_name(config, class_name: str | None) -> str:
     """The ``AutoModel*`` class that maps ``config.model_type`` to ``class_name`` (``AutoModel`` otherwise)."""
-    for auto, mapping_name in _AUTO_MAPPINGS.items():
+    for auto, mapping_name in AUTO_MAPPINGS.items():
         name = getattr(modeling_auto, mapping_name, {}).get(config.model_type)
         names = name if isinstance(name, (list, tuple)) else [name]
         if class_name in names and auto != "AutoModelForPreTraining":
@@ -359,3 +358,37 @@ def _num(value: Any, digits: int = 0) -> str:
 
 def _longest_backtick_run(text: str) -> int:
     return max((len(m) for m in re.findall(r"`+", text)), default=0)
+
+
+def gguf_cell(entry: dict | None) -> str | None:
+    """``"q8_0, 12.3 MiB"``: type and size of one ``results["gguf"]`` entry (None: no file)."""
+    return f"{entry['type']}, {file_size(entry['size_bytes'])}" if entry else None
+
+
+def file_size(size_bytes: int) -> str:
+    """``"12.3 MiB"``, or ``"84.5 KiB"`` below one MiB (tiny models would all read 0.1 MiB)."""
+    if size_bytes < 2**20:
+        return f"{size_bytes / 2**10:,.1f} KiB"
+    return f"{size_bytes / 2**20:,.1f} MiB"
+
+
+def speed_cell(speed: dict | None, *, baseline: bool = False) -> str | None:
+    """``"1.31 [1.27, 1.35]"``; ``"below resolution"`` when its spread overlaps the A/A control's.
+
+    The baseline's own cell is its A/A control (the base timed against itself). Results from
+    before the control was measured show the bare median, marked as such.
+    """
+    if not speed or speed.get("speedup_vs_baseline") is None:
+        return None
+    if "resolved" not in speed:
+        return f"{speed['speedup_vs_baseline']:.2f} (spread not measured)"
+    if baseline:
+        control = speed["control"]
+        return f"A/A {control['speedup']:.2f} {_interval(control['speedup_iqr'])}"
+    if not speed["resolved"]:
+        return "below resolution"
+    return f"{speed['speedup_vs_baseline']:.2f} {_interval(speed['speedup_iqr'])}"
+
+
+def _interval(pair: list[float]) -> str:
+    return f"[{pair[0]:.2f}, {pair[1]:.2f}]"

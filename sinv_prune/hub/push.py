@@ -458,7 +458,7 @@ def _reference(model_dir: Path, model, ids: torch.Tensor) -> tuple[torch.Tensor,
 
 def original_parameters(model: torch.nn.Module) -> int | None:
     """Parameters of the model before pruning (rebuilt on the meta device from the record), or None."""
-    from sinv_prune.surgery.checkpoint import _set_head_counts, base_class
+    from sinv_prune.surgery.checkpoint import base_class, set_head_counts
     from sinv_prune.surgery.record import get_record
     from sinv_prune.surgery.removal import count_parameters
 
@@ -471,7 +471,7 @@ def original_parameters(model: torch.nn.Module) -> int | None:
         config = copy.deepcopy(model.config)
         delattr(config, "sinv_prune")
         if record.stock_layout:
-            _set_head_counts(get_adapter(model), config, record.num_heads, record.num_kv_heads, record.head_dim)
+            set_head_counts(get_adapter(model), config, record.num_heads, record.num_kv_heads, record.head_dim)
         with torch.device("meta"):
             original = base_class(type(model))(config)
         return count_parameters(original)

@@ -93,7 +93,7 @@ def build_lastword_task(dest: str | os.PathLike, source: str | os.PathLike | Non
     file, pointing at the JSON lines) and ``build.json`` (source file, its sha256, item count).
     The hash covers the source text and :data:`TASK_VERSION`, so a changed source builds anew.
     """
-    from sinv_prune.pipeline.rundir import write_dir
+    from sinv_prune.rundir import write_dir
 
     text_path = source_file(source)
     raw = text_path.read_bytes()

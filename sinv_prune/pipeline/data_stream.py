@@ -4,7 +4,7 @@
   with config, split and text column, or a local dataset directory through the same call) with
   ``datasets.load_dataset(..., streaming=True)``;
 * :func:`pack_rows` tokenises the rows one by one (the separator rule of
-  :func:`sinv_prune.pipeline.data.token_ids`) and packs them into consecutive ``seq_len`` blocks;
+  :func:`sinv_prune.data.token_ids`) and packs them into consecutive ``seq_len`` blocks;
 * :func:`stream_blocks` takes the first ``n`` blocks of the stream onto disk once per run (an int32
   ``.npy`` file written and read memory-mapped, so a large budget never sits in memory whole), so every
   arm, every epoch and every process sees the same blocks in the same order;
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sinv_prune.pipeline.data import _encode_lines, _encodes_newline
+from sinv_prune.data import encode_lines, encodes_newline
 from sinv_prune.strict_json import dumps
 
 logger = logging.getLogger("sinv_prune")
@@ -95,7 +95,7 @@ def pack_rows(rows: Iterable[str], tokenizer, seq_len: int) -> Iterator[list[int
     Where the tokenizer encodes ``"\\n"`` each row is encoded followed by a newline (the text file's own
     text); otherwise each non-blank row is followed by the EOS token (as ``token_ids(separator="auto")``).
     """
-    newline = _encodes_newline(tokenizer)
+    newline = encodes_newline(tokenizer)
     if not newline and tokenizer.eos_token_id is None:
         raise ValueError("finetune.data: the tokenizer encodes no newline and has no EOS token to separate rows")
     buffer: list[int] = []
@@ -103,7 +103,7 @@ def pack_rows(rows: Iterable[str], tokenizer, seq_len: int) -> Iterator[list[int
 
     def flush() -> Iterator[list[int]]:
         texts = [t + "\n" for t in batch] if newline else [t for t in batch if t.strip()]
-        for ids in _encode_lines(texts, tokenizer) if texts else []:
+        for ids in encode_lines(texts, tokenizer) if texts else []:
             buffer.extend(ids if newline else [*ids, tokenizer.eos_token_id])
         batch.clear()
         while len(buffer) >= seq_len:
@@ -130,7 +130,7 @@ def stream_blocks(spec, tokenizer, seq_len: int, count: int, directory: Path, re
     A stream shorter than ``count`` blocks gives what it has (the Trainer then repeats them as epochs);
     none at all is a ``ValueError``.
     """
-    from sinv_prune.pipeline.rundir import write_dir
+    from sinv_prune.rundir import write_dir
 
     target = Path(directory) / stream_key(spec, tokenizer, seq_len, count)
     if (target / "meta.json").is_file():
@@ -166,7 +166,7 @@ def load_blocks(path: Path) -> Blocks:
 def finetune_blocks(run) -> Blocks:
     """The fine-tune's blocks: ``finetune.data`` streamed (the main process packs, every process reads) or the
     run's train split (valid without one) cut into ``data.seq_len`` blocks."""
-    from sinv_prune.pipeline.data import block_tensor
+    from sinv_prune.data import block_tensor
     from sinv_prune.pipeline.step_budget import planned_steps
 
     spec, seq = run.recipe.finetune, run.recipe.data.seq_len

@@ -152,8 +152,8 @@ def build_cache(
     The teacher runs in eval mode, ``batch_size`` blocks at a time on ``device`` (default: where it is);
     a cache with the same key is reused as it is.
     """
-    from sinv_prune.pipeline.rundir import write_dir
     from sinv_prune.progress import bar
+    from sinv_prune.rundir import write_dir
 
     teacher = teacher.eval()
     param = next(teacher.parameters())

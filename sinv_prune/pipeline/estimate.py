@@ -357,7 +357,7 @@ def split_tokens(recipe: Recipe) -> dict[str, int]:
 
 def _split_texts(recipe: Recipe) -> dict[str, list[str]]:
     """Lines per split from local files or the synthetic corpus; nothing for a Hub dataset (not fetched here)."""
-    from sinv_prune.pipeline import data as data_mod
+    from sinv_prune import data as data_mod
 
     spec = recipe.data
     if spec.files is not None:

@@ -262,12 +262,12 @@ def mlm_loss(
     The stream (first ``max_tokens`` tokens) is masked by :func:`mlm_mask` (default
     ``strategy="mask"``: every selected token becomes ``[MASK]``; ``"bert"`` for 80/10/10),
     then cut into consecutive blocks of ``seq_len`` tokens (with ``cls_id``/``sep_id``,
-    ``[CLS] + seq_len - 2 tokens + [SEP]``, as :func:`sinv_prune.pipeline.data.lm_blocks`); the final
+    ``[CLS] + seq_len - 2 tokens + [SEP]``, as :func:`sinv_prune.data.lm_blocks`); the final
     shorter block is kept. ``mlm_loss`` is the mean cross-entropy (nats, float64 sum) over all
     selected positions; ``mlm_perplexity = exp(mlm_loss)`` (not a pseudo-perplexity, which
     would mask every token in turn). The same call gives the same positions every time.
     """
-    from sinv_prune.pipeline.data import block_tensor
+    from sinv_prune.data import block_tensor
 
     ids = _stream(ids, max_tokens)
     limit = _max_positions(model)

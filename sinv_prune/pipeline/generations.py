@@ -20,7 +20,7 @@ DEFAULT_PROMPTS = (
 NEW_TOKENS = 32
 
 
-def _context_length(config) -> int | None:
+def context_length(config) -> int | None:
     for key in ("n_positions", "max_position_embeddings"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
@@ -35,7 +35,7 @@ def greedy_continuations(model, tokenizer, prompts, max_new_tokens: int = NEW_TO
     device = model.get_input_embeddings().weight.device
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    limit = _context_length(model.config)
+    limit = context_length(model.config)
     was_training = model.training
     model.eval()
     out = []

@@ -114,7 +114,7 @@ def shape_of_source(source: str, gguf_file: str | None = None, dtype: str | None
 def shape_of_model(model, dtype_bytes: int | None = None) -> Shape:
     """The :class:`Shape` of a built model (real or on ``meta``)."""
     from sinv_prune.arch import get_adapter
-    from sinv_prune.surgery.consumer_statistics import consumer_modules
+    from sinv_prune.scoring.consumer_statistics import consumer_modules
     from sinv_prune.surgery.refit import consumer_weights
 
     adapter = get_adapter(model)

@@ -67,7 +67,7 @@ def check_export(recipe: Recipe, adapter: HeadAdapter) -> None:
 def _export_vocabulary(recipe: Recipe) -> tuple[object | None, Path | None]:
     """``(tokenizer, source GGUF)`` as the export stage passes them: the tokenizer keys are copied from
     ``model.gguf_file`` when the model comes from one, else built from the model's own tokenizer."""
-    from sinv_prune.pipeline.data import load_model_tokenizer
+    from sinv_prune.data import load_model_tokenizer
 
     spec = recipe.model
     path = recipe.resolve(spec.path)

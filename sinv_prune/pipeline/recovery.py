@@ -63,7 +63,7 @@ class RecoveryCurve(TrainerCallback):
             self._write()
 
     def _write(self) -> None:
-        from sinv_prune.pipeline.rundir import write_json
+        from sinv_prune.rundir import write_json
 
         write_json(self.path, null_non_finite(self.points)[0])
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from sinv_prune.hub.model_card import gguf_cell, speed_cell
+from sinv_prune.lmeval.report import generation_lines, mean_accuracy, task_lines, task_names
 from sinv_prune.pipeline.recipe import Recipe
 from sinv_prune.pipeline.report_routing import plot_routing, routing_lines
-from sinv_prune.pipeline.report_tasks import generation_lines, plot_accuracy_vs_params, task_lines
-from sinv_prune.pipeline.rundir import write_json, write_text
+from sinv_prune.rundir import write_json, write_text
 from sinv_prune.strict_json import with_null_reasons
 from sinv_prune.units import get_unit, unit_names
 
@@ -48,8 +49,6 @@ def summary_rows(results: dict) -> list[dict]:
     arm removes heads: elsewhere every layout is the same cut. The ``gguf`` column (type and size of
     each model's llama.cpp file) is there only when the run exported (``results["gguf"]``).
     """
-    from sinv_prune.pipeline.report_tasks import mean_accuracy, task_names
-
     base = results["baseline"]
     rows = [_row("baseline", "-", None, base, None, base)]
     for arm in results["arms"]:
@@ -84,18 +83,6 @@ TASKS_PRUNED, TASKS_TUNED = "tasks mean pruned", "tasks mean fine-tuned"
 GGUF_COLUMN = "gguf"
 
 
-def gguf_cell(entry: dict | None) -> str | None:
-    """``"q8_0, 12.3 MiB"``: type and size of one ``results["gguf"]`` entry (None: no file)."""
-    return f"{entry['type']}, {file_size(entry['size_bytes'])}" if entry else None
-
-
-def file_size(size_bytes: int) -> str:
-    """``"12.3 MiB"``, or ``"84.5 KiB"`` below one MiB (tiny models would all read 0.1 MiB)."""
-    if size_bytes < 2**20:
-        return f"{size_bytes / 2**10:,.1f} KiB"
-    return f"{size_bytes / 2**20:,.1f} MiB"
-
-
 def _accuracy(value: float | None) -> str | None:
     return None if value is None else f"{value:.3f}"
 
@@ -123,28 +110,6 @@ def _row(name, criterion, removed, pruned, tuned, base) -> dict:
         "ppl fine-tuned": tuned["perplexity"] if tuned else None,
         SPEED_COLUMN: speed_cell(pruned.get("speed"), baseline=name == "baseline"),
     }
-
-
-def speed_cell(speed: dict | None, *, baseline: bool = False) -> str | None:
-    """``"1.31 [1.27, 1.35]"``; ``"below resolution"`` when its spread overlaps the A/A control's.
-
-    The baseline's own cell is its A/A control (the base timed against itself). Results from
-    before the control was measured show the bare median, marked as such.
-    """
-    if not speed or speed.get("speedup_vs_baseline") is None:
-        return None
-    if "resolved" not in speed:
-        return f"{speed['speedup_vs_baseline']:.2f} (spread not measured)"
-    if baseline:
-        control = speed["control"]
-        return f"A/A {control['speedup']:.2f} {_interval(control['speedup_iqr'])}"
-    if not speed["resolved"]:
-        return "below resolution"
-    return f"{speed['speedup_vs_baseline']:.2f} {_interval(speed['speedup_iqr'])}"
-
-
-def _interval(pair: list[float]) -> str:
-    return f"[{pair[0]:.2f}, {pair[1]:.2f}]"
 
 
 def speed_note(results: dict) -> str | None:
@@ -361,3 +326,24 @@ def perplexity_vs_params_figure(results: dict):
     from sinv_prune.pipeline.report_figure import per_arm_figure
 
     return per_arm_figure(results, lambda ev: ev.get("perplexity"), "perplexity (lower is better)")
+
+
+def plot_accuracy_vs_params(results: dict, path: Path) -> Path | None:
+    """Mean task accuracy per arm, drawn like the perplexity plot (arms as columns, open after pruning,
+    filled after fine-tuning); None when the run has no tasks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sinv_prune.pipeline.report_figure import per_arm_figure
+
+    names = task_names(results)
+    if not names or mean_accuracy(results["baseline"], names) is None:
+        return None
+    label = f"mean accuracy over {len(names)} task{'s' if len(names) > 1 else ''} (higher is better)"
+    fig = per_arm_figure(results, lambda ev: mean_accuracy(ev, names), label, log_y=False, note=", ".join(names))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,5 +1,4 @@
-"""The per-arm figure both report plots draw (perplexity in ``report.py``, task accuracy in
-``report_tasks.py``): its own module so that neither report module imports the other."""
+"""The per-arm figure both report plots draw (perplexity and task accuracy, ``report.py``)."""
 
 from __future__ import annotations
 

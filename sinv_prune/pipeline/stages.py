@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from sinv_prune import data as data_mod
 from sinv_prune.log_level import log_level
-from sinv_prune.pipeline import data as data_mod
 from sinv_prune.pipeline.evaluation import (
     compare_speed,
     fits_together,
@@ -48,12 +48,12 @@ from sinv_prune.pipeline.ranks import Ranks
 from sinv_prune.pipeline.recipe import DEFAULT_UNIT, ArmSpec, PartSpec, Recipe, recipe_to_yaml
 from sinv_prune.pipeline.report import removed_text, write_report
 from sinv_prune.pipeline.routing import routing_statistics
-from sinv_prune.pipeline.rundir import RunDir, write_dir, write_json, write_text
 from sinv_prune.pipeline.starting_model import build_model, is_masked_lm
 from sinv_prune.pipeline.tasks import model_tasks
 from sinv_prune.pipeline.threads import parse_threads, recipe_threads
 from sinv_prune.pipeline.training import remove_checkpoints, run_trainer
 from sinv_prune.progress import bar
+from sinv_prune.rundir import RunDir, write_dir, write_json, write_text
 from sinv_prune.scoring.allocation import needs_data
 from sinv_prune.scoring.criteria import Criterion, StoredScores, criterion_class, get_criterion
 from sinv_prune.scoring.pruner import HeadPruner, Part, Pruner

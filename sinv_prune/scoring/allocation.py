@@ -48,10 +48,10 @@ from torch import nn
 
 from sinv_prune.arch import get_adapter
 from sinv_prune.progress import bar
-from sinv_prune.scoring.selection_units import standardize
 from sinv_prune.units import get_unit
 from sinv_prune.units.heads import head_cost  # noqa: F401  (re-exported: callers import the costs from here)
 from sinv_prune.units.mlp import channel_cost  # noqa: F401
+from sinv_prune.units.mlp.selection import standardize
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ from torch import nn
 
 from sinv_prune.arch import HeadAdapter
 from sinv_prune.scoring.allocation import groups_for, non_embedding_parameters
-from sinv_prune.scoring.selection import DEFAULT_LAYOUT, _count
 from sinv_prune.units import get_unit
+from sinv_prune.units.common import amount_count
+from sinv_prune.units.heads.selection import DEFAULT_LAYOUT
 
 #: The one message for a parameter share out of bounds (0 removes nothing, 1 everything).
 PARAMS_SHARE = "amount.params is a fraction in (0, 1) of the non-embedding parameters"
@@ -116,5 +117,5 @@ class _Budget:
             return self._target(amount)
         kind = get_unit(unit)
         sizes = kind.sizes(self.model)
-        count = _count(amount, sum(sizes[i] for i in kept), kind.plural, f"a {kind.noun} count")
+        count = amount_count(amount, sum(sizes[i] for i in kept), kind.plural, f"a {kind.noun} count")
         return count * self._cost(unit, kept)

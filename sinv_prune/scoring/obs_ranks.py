@@ -17,7 +17,7 @@ from functools import reduce
 from torch import nn
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.surgery.consumer_statistics import Statistics
+from sinv_prune.scoring.consumer_statistics import Statistics
 from sinv_prune.surgery.obs import obs_channel_order, obs_order
 from sinv_prune.surgery.refit import consumer_weights
 from sinv_prune.units.heads import HEADS

@@ -21,15 +21,16 @@ from sinv_prune.scoring.allocation import Context, allocate, check_allocation, g
 from sinv_prune.scoring.amounts import _Budget, check_amount, check_met
 from sinv_prune.scoring.criteria import Criterion, Scores, TraceLike, criterion_class, get_criterion
 from sinv_prune.scoring.obs_ranks import rank_by_obs
-from sinv_prune.scoring.selection import DEFAULT_LAYOUT, MODES, check_layout
 from sinv_prune.surgery import compensation
 from sinv_prune.surgery import removal as surgery
 from sinv_prune.surgery.record import get_record
 from sinv_prune.surgery.removal import PruneSummary, count_parameters
 from sinv_prune.surgery.store import PLACES
+from sinv_prune.surgery.unit import score_rows
 from sinv_prune.units import get_unit, units
-from sinv_prune.units.base import score_rows
+from sinv_prune.units.common import MODES
 from sinv_prune.units.heads import HEADS
+from sinv_prune.units.heads.selection import DEFAULT_LAYOUT, check_layout
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +53,13 @@ class Part:
     count or a ``float`` fraction of the unit. ``mode`` defaults to the unit's (``global``; experts:
     ``uniform``, the same count in every MoE layer). The rest is passed to the unit's selection:
 
-    * heads: :func:`~sinv_prune.scoring.selection.select_heads` (``mode``, ``layout``,
+    * heads: :func:`~sinv_prune.units.heads.selection.select_heads` (``mode``, ``layout``,
       ``min_per_layer`` = ``min_heads_per_layer``; 0 lets layers lose every head);
-    * mlp: :func:`~sinv_prune.scoring.selection_units.select_channels` (``mode``, ``multiple``,
+    * mlp: :func:`~sinv_prune.units.mlp.selection.select_channels` (``mode``, ``multiple``,
       ``min_per_layer`` = ``min_channels_per_layer`` >= 1);
-    * layers: :func:`~sinv_prune.scoring.selection_units.select_layers` (``min_per_layer`` = ``min_layers``
+    * layers: :func:`~sinv_prune.units.layers.select_layers` (``min_per_layer`` = ``min_layers``
       >= 1; ``mode`` must stay ``"global"``);
-    * experts: :func:`~sinv_prune.scoring.selection_units.select_channels` over the MoE layers' experts
+    * experts: :func:`~sinv_prune.units.mlp.selection.select_channels` over the MoE layers' experts
       (``min_per_layer`` >= ``num_experts_per_tok``, its default).
 
     ``seed`` orders equal scores; ``exact`` raises instead of cutting less than ``amount``.
@@ -115,7 +116,7 @@ class Part:
 
     @property
     def kind(self):
-        """The part's :class:`~sinv_prune.units.base.Unit`."""
+        """The part's :class:`~sinv_prune.surgery.unit.Unit`."""
         return get_unit(self.unit)
 
     def check_met(self, model: nn.Module) -> None:
@@ -469,7 +470,7 @@ class HeadPruner(Pruner):
     taking a ``seed`` gets the pruner's ``seed`` unless the options set one) or a
     :class:`~sinv_prune.scoring.criteria.Criterion` instance. ``amount``, ``mode``, ``layout``,
     ``min_heads_per_layer``, ``seed`` and ``exact`` mean what they mean in
-    :func:`~sinv_prune.scoring.selection.select_heads`; ``min_heads_per_layer=0`` lets layers
+    :func:`~sinv_prune.units.heads.selection.select_heads`; ``min_heads_per_layer=0`` lets layers
     lose every head (``prune`` then passes ``allow_empty_layers=True``; a recipe asks for
     that with ``prune.allow_empty_layers: true``). It is a :class:`Pruner` (one ``Part("heads", ...)``)
     in everything but its signature: ``score``, ``select``, ``last_scores``, ``last_selection`` and
@@ -485,7 +486,7 @@ class HeadPruner(Pruner):
       to this total).
     * Round ``i`` asks for ``ceil(R / (k - i))`` heads, ``R`` the part of the total not yet
       removed, and removes the smallest valid cut of at least that many (at most ``R``). "Valid"
-      is what :func:`~sinv_prune.scoring.selection.select_heads` allows with the pruner's ``mode``,
+      is what :func:`~sinv_prune.units.heads.selection.select_heads` allows with the pruner's ``mode``,
       ``layout`` and ``min_heads_per_layer`` on the current model, so in ``uniform`` mode every
       round is itself a uniform cut (all layers alike after each round). Where GQA groups or
       uniform steps make a share unreachable, the round takes the next valid cut and the later

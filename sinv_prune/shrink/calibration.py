@@ -1,6 +1,6 @@
 """Calibration text for ``shrink``: a text file, a directory of them, a ``datasets`` id, or token ids.
 
-The text is joined line by line, tokenized once (:func:`~sinv_prune.pipeline.data.token_ids`) and cut
+The text is joined line by line, tokenized once (:func:`~sinv_prune.data.token_ids`) and cut
 into consecutive sequences of ``length`` tokens; only as much text as ``sequences x length`` tokens
 need is read (a Hub dataset is streamed).
 """
@@ -30,7 +30,7 @@ def calibration_sequences(source, tokenizer=None, *, sequences: int = 64, length
     if isinstance(source, (str, os.PathLike)):
         if tokenizer is None:
             raise ValueError("calibration text needs a tokenizer (pass tokenizer=, or give token ids)")
-        from sinv_prune.pipeline.data import token_ids
+        from sinv_prune.data import token_ids
 
         ids = token_ids(list(_lines(source, sequences * length * CHARS_PER_TOKEN)), tokenizer)
         if ids.numel() < sequences * length:

@@ -14,7 +14,7 @@ def run_shrink(source: str, output: Path, *, tokenizer_path: str | None, gguf_fi
     """Shrink the model at ``source`` into ``output`` (written through ``save(output, overwrite, write)``, so
     nothing half-written is left); ``options`` go to :func:`~sinv_prune.shrink.shrink`. ``offload`` (none, cpu,
     disk) loads the model with its blocks offloaded (:func:`~sinv_prune.from_pretrained`)."""
-    from sinv_prune.pipeline.data import load_model_tokenizer
+    from sinv_prune.data import load_model_tokenizer
     from sinv_prune.surgery.checkpoint import from_pretrained
     from sinv_prune.surgery.offload import check_offload
 

@@ -3,7 +3,7 @@
 Removing heads or channels is exactly dropping their columns of the consumer's input (``o_proj``, the
 down projection), so a candidate gives, per layer, the consumer a ``forward`` that computes its refitted
 kept columns on the kept inputs (what the sliced model computes there); a dropped block's ``forward``
-returns its input; a removed expert's gate is 0 (:func:`~sinv_prune.scoring.gates.expert_gates`: its
+returns its input; a removed expert's gate is 0 (:func:`~sinv_prune.units.experts.gates.expert_gates`: its
 router logit ``-inf``, the router routing again as the family does, which is exactly what the sliced
 router computes). No weight is written, so blocks that accelerate's hooks offload (their weights
 brought in from a weights map for each forward) are candidates as well, and going from one candidate to
@@ -31,13 +31,12 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter
-from sinv_prune.scoring.criteria.base import preserve_modes
-from sinv_prune.scoring.gates import expert_gates
+from sinv_prune.scoring.consumer_statistics import consumer_modules
 from sinv_prune.shrink.space import Genome
 from sinv_prune.shrink.statistics import Picks
-from sinv_prune.surgery.block_inputs import input_device
-from sinv_prune.surgery.consumer_statistics import consumer_modules
+from sinv_prune.surgery.block_inputs import input_device, preserve_modes
 from sinv_prune.surgery.store import Store
+from sinv_prune.units.experts.gates import expert_gates
 from sinv_prune.units.heads import HEADS
 from sinv_prune.units.mlp import MLP
 

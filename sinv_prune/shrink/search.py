@@ -31,15 +31,14 @@ from torch import nn
 
 from sinv_prune.arch import get_adapter
 from sinv_prune.progress import bar
+from sinv_prune.scoring import consumer_statistics
 from sinv_prune.scoring.allocation import non_embedding_parameters
-from sinv_prune.scoring.criteria.base import preserve_modes
+from sinv_prune.scoring.consumer_statistics import Statistics, consumer_modules
 from sinv_prune.shrink.calibration import calibration_sequences
 from sinv_prune.shrink.fitness import Candidates
 from sinv_prune.shrink.space import Genome, Space, build_space
 from sinv_prune.shrink.statistics import Picks, mlp_order
-from sinv_prune.surgery import consumer_statistics
-from sinv_prune.surgery.block_inputs import input_device
-from sinv_prune.surgery.consumer_statistics import Statistics, consumer_modules
+from sinv_prune.surgery.block_inputs import input_device, preserve_modes
 from sinv_prune.surgery.offload import apply_offload, is_offloaded, onloaded
 from sinv_prune.surgery.refit import consumer_weights, write_consumer
 from sinv_prune.surgery.removal import count_parameters, prune

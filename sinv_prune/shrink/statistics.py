@@ -1,6 +1,6 @@
 """What the search needs from the unpruned model, measured once: OBS orders and refits of every option.
 
-From the consumers' statistics (:class:`~sinv_prune.surgery.consumer_statistics.Statistics`, one pass, one block
+From the consumers' statistics (:class:`~sinv_prune.scoring.consumer_statistics.Statistics`, one pass, one block
 at a time, kept on the host and brought to the device one consumer at a time), per layer:
 
 * heads: for every :class:`~sinv_prune.shrink.space.HeadOption`, which KV groups go (group OBS, a unit
@@ -28,9 +28,9 @@ import torch
 
 from sinv_prune.arch.base import head_rows
 from sinv_prune.progress import bar
+from sinv_prune.scoring.consumer_statistics import Statistics, consumer_modules
 from sinv_prune.shrink.space import HeadOption, LayerSpace, Space
 from sinv_prune.surgery.compensation import guarded_refit
-from sinv_prune.surgery.consumer_statistics import Statistics, consumer_modules
 from sinv_prune.surgery.obs import obs_channel_order, obs_order
 from sinv_prune.surgery.refit import ConsumerFit, consumer_weights
 from sinv_prune.units.heads import HEADS

@@ -26,7 +26,6 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from sinv_prune.arch import HeadAdapter
-from sinv_prune.scoring.criteria.base import preserve_modes
 
 #: Share of the calibration sequences held out to check each refit (at least one sequence).
 HOLDOUT = 0.125
@@ -176,3 +175,19 @@ def rows(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Tokens as rows ``[n, features]``, padding dropped."""
     x = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # not -1: a layer without heads has zero features
     return x if valid is None else x[valid]
+
+
+class preserve_modes:
+    """Context manager: set ``model`` to eval (or train) mode, restore every module's mode after."""
+
+    def __init__(self, model: nn.Module, train: bool = False):
+        self.model, self.train = model, train
+
+    def __enter__(self) -> nn.Module:
+        self._modes = [(m, m.training) for m in self.model.modules()]
+        self.model.train(self.train)
+        return self.model
+
+    def __exit__(self, *exc) -> None:
+        for module, mode in self._modes:
+            module.training = mode

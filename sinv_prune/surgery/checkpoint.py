@@ -33,18 +33,17 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto import modeling_auto
 
-from sinv_prune.arch import HeadAdapter
+from sinv_prune.arch import HeadAdapter, get_adapter
 from sinv_prune.surgery.keep_tokenizer import remember_tokenizer, tokenizer_source
-from sinv_prune.surgery.rebuild import apply_record
 from sinv_prune.surgery.record import PruningRecord, get_record
+from sinv_prune.surgery.unit import units
 from sinv_prune.symmetry import restore_symmetry_breaking
-from sinv_prune.units import units
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "SinvPruned"
 REMOTE_MODULE = "modeling_sinv_prune"
-_AUTO_MAPPINGS = {
+AUTO_MAPPINGS = {
     "AutoModel": "MODEL_MAPPING_NAMES",
     "AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "AutoModelForMaskedLM": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
@@ -119,7 +118,7 @@ def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: P
     if stock_reason is None:
         (layout,) = layouts
         if _heads_pruned(record):
-            _set_head_counts(adapter, config, layout.num_heads, layout.num_kv_heads, record.head_dim)
+            set_head_counts(adapter, config, layout.num_heads, layout.num_kv_heads, record.head_dim)
         for width in widths:  # none in a model whose every layer is MoE
             _set_intermediate(adapter, config, width)
         record.stock_layout = True
@@ -135,7 +134,7 @@ def finalize_checkpoint_format(model: nn.Module, adapter: HeadAdapter, record: P
         if getattr(adapter, "stock_reload", False) and stock_reason not in _WARNED.setdefault(model, set()):
             _WARNED[model].add(stock_reason)  # once per model and reason, not at every prune of it
             logger.warning("sinv_prune: %s; the checkpoint reloads through trust_remote_code=True", stock_reason)
-        _set_head_counts(adapter, config, record.num_heads, record.num_kv_heads, record.head_dim)
+        set_head_counts(adapter, config, record.num_heads, record.num_kv_heads, record.head_dim)
         _set_intermediate(adapter, config, record.intermediate_size)
         record.stock_layout = False
         model.__class__ = pruned_class(base)
@@ -178,13 +177,19 @@ def dense_widths(adapter: HeadAdapter) -> set[int]:
     return {adapter.intermediate_size(i) for i in range(adapter.num_layers) if not adapter.num_experts(i)}
 
 
+def expert_widths(adapter: HeadAdapter) -> tuple[set[int], set[int]]:
+    """The routed-expert widths and the shared-expert widths over the MoE layers."""
+    moe = [i for i in range(adapter.num_layers) if adapter.num_experts(i)]
+    return {adapter.expert_width(i) for i in moe}, {adapter.shared_width(i) for i in moe if adapter.shared_width(i)}
+
+
 def _set_intermediate(adapter, config, width: int | None) -> None:
     """State the MLP width in the config, leaving it alone when it already says so (GPT-2's None = 4 x n_embd)."""
     if width is not None and adapter.config_intermediate_size(config) != width:
         setattr(config, adapter.config_intermediate_key, width)
 
 
-def _set_head_counts(adapter, config, heads: int, kv_heads: int, head_dim: int) -> None:
+def set_head_counts(adapter, config, heads: int, kv_heads: int, head_dim: int) -> None:
     setattr(config, adapter.config_heads_key, heads)
     if adapter.config_kv_heads_key:
         setattr(config, adapter.config_kv_heads_key, kv_heads)
@@ -194,7 +199,7 @@ def _set_head_counts(adapter, config, heads: int, kv_heads: int, head_dim: int) 
 def _auto_map(model_type: str, class_name: str) -> dict[str, str]:
     """``auto_map`` entries for every Auto class that serves ``model_type``."""
     out = {}
-    for auto, mapping_name in _AUTO_MAPPINGS.items():
+    for auto, mapping_name in AUTO_MAPPINGS.items():
         name = getattr(modeling_auto, mapping_name, {}).get(model_type)
         if isinstance(name, (list, tuple)):
             name = name[0]
@@ -296,3 +301,19 @@ def _drop_gguf_quantizer(model: nn.Module) -> None:
         raise ValueError(f"GGUF weights are still quantized ({odd[0]}, ...); cannot make a trainable model")
     quantizer.remove_quantization_config(model)
     model.hf_quantizer = None  # transformers deletes the attribute; callers expect None
+
+
+def apply_record(model: nn.Module, record: PruningRecord) -> None:
+    """Slice a freshly built model (original head and MLP sizes, current layer count) to ``record``'s shapes."""
+    adapter = get_adapter(model)
+    kept_layers = record.kept_layers()
+    if adapter.num_layers != len(kept_layers):
+        raise ValueError(
+            f"the config builds {adapter.num_layers} layers but the pruning record keeps {len(kept_layers)} "
+            f"of {record.num_layers}"
+        )
+    for current, original in enumerate(kept_layers):
+        for unit in units():
+            unit.rebuild(adapter, current, original, record)
+    for unit in units():  # what the forward reads beyond the shapes (the load-balancing loss's expert count)
+        unit.state_config(model, adapter, record, False)

@@ -46,19 +46,15 @@ from torch import nn
 
 from sinv_prune.arch import HeadAdapter
 from sinv_prune.arch.base import linear_weight
-from sinv_prune.scoring.criteria.base import preserve_modes
-from sinv_prune.surgery.block_inputs import HOLDOUT, BlockInput, Stop, capture_block_inputs, rows
-from sinv_prune.surgery.cuts import Cut, head_cuts, mlp_cuts
+from sinv_prune.surgery.block_inputs import HOLDOUT, BlockInput, Stop, capture_block_inputs, preserve_modes, rows
+from sinv_prune.surgery.cuts import Cut
 from sinv_prune.surgery.heldout import HeldOutLoss
 from sinv_prune.surgery.obs import obs_select
 from sinv_prune.surgery.offload import Turns, onloaded
 from sinv_prune.surgery.refit import ConsumerFit, consumer_weights, write_consumer
 from sinv_prune.surgery.store import Store
 
-__all__ = [
-    "METHODS", "RIDGES", "CompensationReport", "Cut", "LayerFit", "capture_block_inputs", "default_ridge", "head_cuts",
-    "mlp_cuts",
-]  # fmt: skip
+__all__ = ["METHODS", "RIDGES", "CompensationReport", "Cut", "LayerFit", "capture_block_inputs", "default_ridge"]
 
 METHODS = ("bias", "lsq", "obs")
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}

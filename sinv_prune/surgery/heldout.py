@@ -14,8 +14,7 @@ from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from sinv_prune.arch import HeadAdapter
-from sinv_prune.scoring.criteria.base import preserve_modes
-from sinv_prune.surgery.block_inputs import BlockInput
+from sinv_prune.surgery.block_inputs import BlockInput, preserve_modes
 
 _CAUSAL = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 

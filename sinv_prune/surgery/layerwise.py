@@ -28,8 +28,7 @@ from torch import nn
 
 from sinv_prune.arch import HeadAdapter
 from sinv_prune.progress import bar
-from sinv_prune.scoring.criteria.base import preserve_modes
-from sinv_prune.surgery.block_inputs import BlockInput, capture_block_inputs, input_device
+from sinv_prune.surgery.block_inputs import BlockInput, capture_block_inputs, input_device, preserve_modes
 
 __all__ = ["Layer", "block_device", "host_device", "layer_by_layer"]
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from sinv_prune.arch import HeadAdapter, get_adapter
 from sinv_prune.surgery import compensation
-from sinv_prune.surgery.checkpoint import base_class, dense_widths, finalize_checkpoint_format
+from sinv_prune.surgery.checkpoint import base_class, dense_widths, expert_widths, finalize_checkpoint_format
 from sinv_prune.surgery.compensation import CompensationReport
 from sinv_prune.surgery.offload import (
     Ledger,
@@ -23,26 +23,11 @@ from sinv_prune.surgery.offload import (
     onloaded,
 )
 from sinv_prune.surgery.record import PruningRecord, get_record, set_record
-from sinv_prune.surgery.shapes import apply_layer, drop_layers
+from sinv_prune.surgery.shapes import drop_layers
 from sinv_prune.surgery.store import PLACES, Store
-from sinv_prune.units import get_unit, unit_names, units
-from sinv_prune.units.experts import ExpertChange
-from sinv_prune.units.heads import LayerChange, plan_removal
-from sinv_prune.units.layers import plan_layers
-from sinv_prune.units.mlp import MlpChange, expert_widths, plan_channels
+from sinv_prune.surgery.unit import get_unit, unit_names, units
 
-__all__ = [
-    "LayerChange",
-    "MlpChange",
-    "PruneSummary",
-    "apply_layer",
-    "count_parameters",
-    "plan_channels",
-    "plan_layers",
-    "plan_removal",
-    "prune",
-    "prune_heads",
-]
+__all__ = ["PruneSummary", "count_parameters", "prune", "prune_heads"]
 
 
 @dataclass
@@ -52,17 +37,19 @@ class PruneSummary:
     ``layers`` holds the head changes and ``mlp`` the channel changes, both keyed by the layer
     numbering before the call; ``removed_layers`` / ``removed_layers_original`` name the dropped
     blocks in that numbering and in the original one. ``removed(unit)`` reads any registered unit's
-    entry (the unit's ``summary_field``), so code iterating over units need not know these fields.
+    entry (the unit's ``summary_field``), so code iterating over units need not know these fields. The
+    changes are the units' own records of a layer (``LayerChange``, ``MlpChange``, ``ExpertChange`` in
+    :mod:`sinv_prune.units`).
     """
 
-    layers: list[LayerChange]
+    layers: list
     params_before: int
     params_after: int
     compensation: CompensationReport | None = None
-    mlp: list[MlpChange] = field(default_factory=list)
+    mlp: list = field(default_factory=list)
     removed_layers: list[int] = field(default_factory=list)
     removed_layers_original: list[int] = field(default_factory=list)
-    experts: list[ExpertChange] = field(default_factory=list)
+    experts: list = field(default_factory=list)
 
     @property
     def heads_removed(self) -> int:

@@ -1,46 +1,13 @@
-"""Shape changes shared by surgery and checkpoint loading: slice heads and channels, drop blocks.
-
-:func:`~sinv_prune.prune` calls these on a live model (through the units); the units' ``rebuild``
-(:mod:`sinv_prune.surgery.rebuild`) calls them on a freshly built one to rebuild the pruned shapes
-before the weights load.
-"""
+"""Dropping whole blocks, which :func:`~sinv_prune.prune` does after the per-layer cuts (those are the
+units' own, ``sinv_prune/units/<unit>/cuts.py``, on a live model and, through ``rebuild``, on a reload)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter
-
-
-def apply_layer(adapter: HeadAdapter, layer: int, keep_q: list[int], keep_kv: list[int]) -> None:
-    """Slice one layer to the given heads; an empty layer gets a forward that needs no heads."""
-    device = adapter.out_proj(layer).weight.device
-    adapter.slice_heads(
-        layer,
-        torch.tensor(keep_q, dtype=torch.long, device=device),
-        torch.tensor(keep_kv, dtype=torch.long, device=device),
-    )
-    if not keep_q:
-        adapter.attention(layer).forward = adapter.empty_forward(layer)
-
-
-def apply_mlp(adapter: HeadAdapter, layer: int, keep: list[int]) -> None:
-    """Slice one layer's MLP to the channels ``keep`` (current numbering)."""
-    device = adapter.mlp_out(layer).weight.device
-    adapter.slice_mlp(layer, torch.tensor(keep, dtype=torch.long, device=device))
-
-
-def apply_expert_channels(adapter: HeadAdapter, layer: int, routed: list[list[int]], shared: list[int]) -> None:
-    """Slice one mixture-of-experts layer's experts: routed expert ``e`` to channels ``routed[e]`` (every
-    expert keeps as many), the shared expert to ``shared`` (current numbering); full widths stay as they are."""
-    device = adapter.experts(layer).down_proj.device
-    if len(routed[0]) < adapter.expert_width(layer):
-        adapter.slice_expert_channels(layer, torch.tensor(routed, dtype=torch.long, device=device))
-    if 0 < len(shared) < adapter.shared_width(layer):
-        adapter.slice_shared_channels(layer, torch.tensor(shared, dtype=torch.long, device=device))
 
 
 def drop_layers(model: nn.Module, adapter: HeadAdapter, drop: Iterable[int]) -> None:

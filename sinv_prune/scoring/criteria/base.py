@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from sinv_prune.arch import get_adapter
+from sinv_prune.surgery.block_inputs import preserve_modes
 from sinv_prune.units import get_unit
 
 Scores = list[list[float]] | list[float]
@@ -186,22 +187,6 @@ def observe(model: nn.Module, batch: Mapping[str, Any], hooks: list) -> None:
     finally:
         for hook in hooks:
             hook.remove()
-
-
-class preserve_modes:
-    """Context manager: set ``model`` to eval (or train) mode, restore every module's mode after."""
-
-    def __init__(self, model: nn.Module, train: bool = False):
-        self.model, self.train = model, train
-
-    def __enter__(self) -> nn.Module:
-        self._modes = [(m, m.training) for m in self.model.modules()]
-        self.model.train(self.train)
-        return self.model
-
-    def __exit__(self, *exc) -> None:
-        for module, mode in self._modes:
-            module.training = mode
 
 
 class StoredScores(Criterion):

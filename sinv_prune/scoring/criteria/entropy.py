@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, model_device, preserve_modes
+from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, model_device
 from sinv_prune.scoring.criteria.registry import register_criterion
+from sinv_prune.surgery.block_inputs import preserve_modes
 
 
 @register_criterion("entropy")

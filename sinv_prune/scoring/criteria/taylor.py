@@ -8,16 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from sinv_prune.scoring.criteria.base import (
-    Criterion,
-    Scores,
-    batch_to,
-    frozen_parameters,
-    model_device,
-    preserve_modes,
-    to_scores,
-)
+from sinv_prune.scoring.criteria.base import Criterion, Scores, batch_to, frozen_parameters, model_device, to_scores
 from sinv_prune.scoring.criteria.registry import register_criterion
+from sinv_prune.surgery.block_inputs import preserve_modes
 from sinv_prune.units import get_unit
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
@@ -30,9 +23,9 @@ class TaylorCriterion(Criterion):
     As in the authors' code (``compute_heads_importance``): each batch's gate gradient
     (a sum over its tokens) is taken in absolute value and accumulated over batches,
     then each layer is divided by the L2 norm of its heads' importances
-    (``normalize=True``). Gates come from :func:`sinv_prune.scoring.gates.head_gates`
-    (``unit="mlp"``: :func:`~sinv_prune.scoring.gates.channel_gates`, one gate per MLP channel at
-    the down projection's input; ``unit="experts"``: :func:`~sinv_prune.scoring.gates.expert_gates`, one
+    (``normalize=True``). Gates come from :func:`sinv_prune.units.heads.gates.head_gates`
+    (``unit="mlp"``: :func:`~sinv_prune.units.mlp.gates.channel_gates`, one gate per MLP channel at
+    the down projection's input; ``unit="experts"``: :func:`~sinv_prune.units.experts.gates.expert_gates`, one
     gate per routed expert on its routing probability); gradients are taken with ``torch.autograd.grad`` on the
     gates only, and every parameter has ``requires_grad`` off during the pass (flags restored
     after), so no ``.grad`` lands on the model's parameters and autograd keeps no graph for

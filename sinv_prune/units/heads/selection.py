@@ -53,23 +53,19 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
-import random
 from collections.abc import Sequence
-from fractions import Fraction
 from typing import NamedTuple
 
-import numpy as np
 from torch import nn
 
 from sinv_prune.arch import HeadLayout, get_adapter
+from sinv_prune.surgery.unit import nonnegative
+from sinv_prune.units.common import MODES, amount_count, distinct_ranks, knapsack_layers
 
 logger = logging.getLogger(__name__)
 
-MODES = ("global", "per_layer", "uniform")
 LAYOUTS = ("q_per_group", "kv_groups", "auto")
 DEFAULT_LAYOUT = "q_per_group"
-_INF = np.int64(2**62)
 
 
 class _Config(NamedTuple):
@@ -113,20 +109,20 @@ def select_heads(
     if mode not in MODES:
         raise ValueError(f"unknown selection mode {mode!r}; choose one of {', '.join(MODES)}")
     check_layout(layout)
-    min_heads = _nonnegative(min_heads_per_layer, "min_heads_per_layer")
+    min_heads = nonnegative(min_heads_per_layer, "min_heads_per_layer")
     rows = _check_scores(scores, layouts)
     total = sum(len(r) for r in rows)
-    wanted = _count(amount, total)
+    wanted = amount_count(amount, total)
     if wanted == 0:
         return {}
-    ranks = _ranks(rows, mode, seed)
-    configs = [_configs(r, lay, min_heads, layout) for r, lay in zip(ranks, layouts, strict=True)]
+    ranks = distinct_ranks(rows, mode, seed)
+    configs = [layer_configs(r, lay, min_heads, layout) for r, lay in zip(ranks, layouts, strict=True)]
     where = _where(layouts, layout, min_heads)
     if mode == "uniform":
         chosen = _uniform(configs, layouts, wanted, where)
     else:
         options = [_by_removed(c, lay.num_heads) for c, lay in zip(configs, layouts, strict=True)]
-        chosen = _knapsack(options, wanted, where)
+        chosen = knapsack_layers(options, wanted, where)
     got = sum(lay.num_heads - cfg.groups * cfg.per_group for cfg, lay in zip(chosen, layouts, strict=True))
     if got != wanted:
         if exact or got == 0:
@@ -156,31 +152,6 @@ def check_layout(layout: str) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown selection layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     return layout
-
-
-def _nonnegative(value, what: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{what} must be a non-negative integer, got {value!r}") from None
-    if value < 0:
-        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _count(amount, total: int, noun: str = "heads", count_of: str = "a head count") -> int:
-    """An int amount, or a float fraction of ``total`` rounded half up, checked against ``total`` ``noun``
-    (``count_of`` names an int amount in the message refusing a float outside [0, 1])."""
-    if isinstance(amount, float):
-        if not 0.0 <= amount <= 1.0:
-            raise ValueError(f"a float amount is a fraction in [0, 1], got {amount!r} (pass an int for {count_of})")
-        return math.floor(amount * total + 0.5)
-    count = _nonnegative(amount, "amount")
-    if count > total:
-        raise ValueError(f"amount {count} is larger than the {total} {noun} of the model")
-    return count
 
 
 def _check_scores(scores, layouts) -> list[list[float]]:
@@ -215,26 +186,6 @@ def _where(layouts, layout: str, min_heads: int) -> str:
 # -- ranking ------------------------------------------------------------------------------
 
 
-def _ranks(rows: list[list[float]], mode: str, seed: int) -> list[list[int]]:
-    """A distinct integer rank per head (0 = first to remove)."""
-    heads = [(layer, h) for layer, row in enumerate(rows) for h in range(len(row))]
-    order = list(range(len(heads)))
-    random.Random(seed).shuffle(order)
-    tie = dict(zip(heads, order, strict=True))
-    if mode == "per_layer":
-        key = {}
-        for layer, row in enumerate(rows):
-            local = sorted(range(len(row)), key=lambda h, layer=layer, row=row: (row[h], tie[layer, h]))
-            for position, h in enumerate(local):
-                key[layer, h] = (Fraction(position, len(row)), tie[layer, h])
-    else:
-        key = {(layer, h): (rows[layer][h], tie[layer, h]) for layer, h in heads}
-    ranks = [[0] * len(row) for row in rows]
-    for rank, (layer, h) in enumerate(sorted(heads, key=key.__getitem__)):
-        ranks[layer][h] = rank
-    return ranks
-
-
 # -- per layer ----------------------------------------------------------------------------
 
 
@@ -250,7 +201,7 @@ def _survivors(ranks: list[int], groups: list[list[int]], c: int) -> list[int]:
     return sorted(range(len(groups)), key=lambda k: (-top[k], k))
 
 
-def _configs(ranks: list[int], layout: HeadLayout, min_heads: int, shape: str) -> dict[tuple[int, int], _Config]:
+def layer_configs(ranks: list[int], layout: HeadLayout, min_heads: int, shape: str) -> dict[tuple[int, int], _Config]:
     """Every kept configuration ``(s, c)`` of one layer valid in ``shape``, with its cost (sum of removed ranks)."""
     heads, total = layout.num_heads, sum(ranks)
     keep_all = (layout.num_kv_heads, layout.group_size)
@@ -296,33 +247,6 @@ def _removed(ranks: list[int], layout: HeadLayout, cfg: _Config) -> list[int]:
 
 
 # -- across layers ------------------------------------------------------------------------
-
-
-def _knapsack(options: list[dict[int, _Config]], wanted: int, where: str) -> list[_Config]:
-    """One configuration per layer removing the most heads ``<= wanted``, at the least cost."""
-    most = sum(max(opts) for opts in options)
-    if most < wanted:
-        raise ValueError(f"amount {wanted} is larger than the {most} heads that may be removed {where}")
-    best = np.full(wanted + 1, _INF, dtype=np.int64)
-    best[0] = 0
-    picks = []
-    for opts in options:
-        new = np.full(wanted + 1, _INF, dtype=np.int64)
-        pick = np.full(wanted + 1, -1, dtype=np.int64)
-        for removed in sorted(r for r in opts if r <= wanted):
-            candidate = best[: wanted + 1 - removed] + opts[removed].cost
-            better = candidate < new[removed:]
-            new[removed:][better] = candidate[better]
-            pick[removed:][better] = removed
-        best = new
-        picks.append(pick)
-    n = int(np.flatnonzero(best < _INF).max())
-    chosen = []
-    for opts, pick in zip(reversed(options), reversed(picks), strict=True):
-        removed = int(pick[n])
-        chosen.append(opts[removed])
-        n -= removed
-    return chosen[::-1]
 
 
 def _uniform(configs: list[dict], layouts: Sequence[HeadLayout], wanted: int, where: str) -> list[_Config]:

@@ -16,11 +16,10 @@ import torch
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter, get_adapter
-from sinv_prune.scoring.gates import expert_gates
-from sinv_prune.scoring.selection_units import _removals, select_channels
 from sinv_prune.surgery.record import PruningRecord
-from sinv_prune.units.base import Unit, per_layer, score_rows
-from sinv_prune.units.registry import register_unit
+from sinv_prune.surgery.unit import Unit, per_layer, register_unit, score_rows
+from sinv_prune.units.experts.gates import expert_gates
+from sinv_prune.units.mlp.selection import removal_counts, select_channels
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class ExpertsUnit(Unit):
         count = adapter.num_experts(layer)
         if len(row) != count:
             raise ValueError(f"layer {layer}: {len(row)} scores for {count} experts")
-        return (_removals(count, self._floor(adapter, min_per_layer), 1) if count else [0]), None
+        return (removal_counts(count, self._floor(adapter, min_per_layer), 1) if count else [0]), None
 
     def select(self, model, part, scores, amount, kept, exact):
         adapter = get_adapter(model)

@@ -1,15 +1,16 @@
-"""Whole layers: transformer blocks dropped from the stack (block output = block input)."""
+"""Whole layers: transformer blocks dropped from the stack (block output = block input); the removal drops
+them (:func:`sinv_prune.surgery.shapes.drop_layers`) after the per-layer cuts."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter, get_adapter
-from sinv_prune.scoring.selection_units import select_layers
-from sinv_prune.units.base import Unit, index, index_list
-from sinv_prune.units.registry import register_unit
+from sinv_prune.surgery.unit import Unit, index, index_list, nonnegative, register_unit
+from sinv_prune.units.common import amount_count, distinct_ranks
 
 
 class LayersUnit(Unit):
@@ -80,6 +81,31 @@ def plan_layers(model: nn.Module, adapter: HeadAdapter, layers: Iterable[int]) -
     if getattr(config, "is_heterogeneous", False):
         raise ValueError("layers cannot be removed from a heterogeneous (per_layer_config) model")
     return sorted(removed)
+
+
+def select_layers(scores: Sequence[float], amount: int | float, *, min_layers: int = 1, seed: int = 0) -> list[int]:
+    """Layers to remove (current numbering, ascending): the ``amount`` lowest-scored ones.
+
+    ``scores``: one float per current layer, higher = keep; ``amount``: an ``int`` number of
+    layers or a ``float`` fraction of them (rounded half up); at least ``min_layers`` (>= 1)
+    stay. Equal scores are ordered by a permutation drawn from ``seed``.
+    """
+    values = []
+    for layer, value in enumerate(scores):
+        if isinstance(value, Sequence | nn.Module | bool):
+            raise ValueError(f"layer scores are one float per layer; layer {layer} has {type(value).__name__}")
+        value = float(value)
+        if math.isnan(value):
+            raise ValueError(f"layer {layer}: a NaN score cannot be ranked")
+        values.append(value)
+    keep = nonnegative(min_layers, "min_layers")
+    if keep < 1:
+        raise ValueError("min_layers must be at least 1 (a model cannot lose every layer)")
+    wanted = amount_count(amount, len(values), "layers", "a count")
+    if wanted and len(values) - wanted < keep:
+        raise ValueError(f"removing {wanted} of {len(values)} layers would leave fewer than min_layers={keep}")
+    ranks = distinct_ranks([values], "global", seed)[0]
+    return sorted(sorted(range(len(values)), key=ranks.__getitem__)[:wanted])
 
 
 LAYERS = register_unit(LayersUnit())

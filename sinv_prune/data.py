@@ -368,12 +368,12 @@ def load_model_tokenizer(path_or_id: str | os.PathLike, gguf_file: str | None = 
 # -- token streams and blocks ------------------------------------------------------------------
 
 
-def _encodes_newline(tokenizer) -> bool:
+def encodes_newline(tokenizer) -> bool:
     ids = tokenizer("\n", add_special_tokens=False)["input_ids"]
     return bool(ids) and ids != [tokenizer.unk_token_id]
 
 
-def _encode_lines(lines: list[str], tokenizer) -> list[list[int]]:
+def encode_lines(lines: list[str], tokenizer) -> list[list[int]]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "encode_batch_fast"):  # 2x faster than __call__
         return [e.ids for e in backend.encode_batch_fast(lines, add_special_tokens=False)]
@@ -405,14 +405,14 @@ def token_ids(
     # A slice is read as one Arrow batch; iterating a datasets Column goes row by row (slow).
     texts = split[0 : len(split)][text_column] if isinstance(split, datasets.Dataset) else list(split)
     if separator == "auto":
-        separator = "newline" if _encodes_newline(tokenizer) else "eos"
+        separator = "newline" if encodes_newline(tokenizer) else "eos"
     if separator == "newline":
         ids = tokenizer("\n".join(texts), add_special_tokens=False, verbose=False)["input_ids"]
     elif separator == "eos":
         if tokenizer.eos_token_id is None:
             raise ValueError("token_ids: separator='eos' needs a tokenizer with an EOS token")
         ids = []
-        for line in _encode_lines([t for t in texts if t.strip()], tokenizer):
+        for line in encode_lines([t for t in texts if t.strip()], tokenizer):
             ids += line
             ids.append(tokenizer.eos_token_id)
     else:

@@ -145,7 +145,7 @@ _METHOD = (
 def _tokenizer(tokenizer, source: str | None):
     """The labeller argument for :func:`alignment_table`: a tokenizer, a vocabulary or None."""
     if isinstance(tokenizer, (str, os.PathLike)):
-        from sinv_prune.pipeline.data import load_model_tokenizer
+        from sinv_prune.data import load_model_tokenizer
 
         return load_model_tokenizer(tokenizer)
     if tokenizer is not None or source is None:
@@ -155,7 +155,7 @@ def _tokenizer(tokenizer, source: str | None):
         return None  # transformers would build an empty tokenizer from a directory without one
     if path.is_file() and path.suffix != ".gguf":
         return None
-    from sinv_prune.pipeline.data import load_model_tokenizer
+    from sinv_prune.data import load_model_tokenizer
 
     try:
         return load_model_tokenizer(source)

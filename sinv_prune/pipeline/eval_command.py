@@ -40,7 +40,7 @@ def evaluate_source(
     """
     import torch
 
-    from sinv_prune.pipeline.data import load_model_tokenizer
+    from sinv_prune.data import load_model_tokenizer
     from sinv_prune.surgery.checkpoint import from_pretrained
 
     if tokenizer is None and not gguf_file and os.path.isdir(source) and not has_tokenizer(source):
@@ -65,11 +65,11 @@ def evaluate_source(
 
 def wikitext_perplexity(model, tokenizer, text: str, *, max_tokens: int | None = None) -> dict[str, Any]:
     """Strided-window perplexity of the WikiText-2 test text (docs/evaluation.md), as a recipe measures it."""
-    from sinv_prune.pipeline.data import token_ids
+    from sinv_prune.data import token_ids
     from sinv_prune.pipeline.evaluation import perplexity
-    from sinv_prune.pipeline.generations import _context_length
+    from sinv_prune.pipeline.generations import context_length
 
     ids = token_ids(text.splitlines(), tokenizer)
-    seq_len = min(PERPLEXITY_SEQ_LEN, _context_length(model.config) or PERPLEXITY_SEQ_LEN)
+    seq_len = min(PERPLEXITY_SEQ_LEN, context_length(model.config) or PERPLEXITY_SEQ_LEN)
     res = perplexity(model, ids, seq_len=seq_len, stride=seq_len // 2, batch_size=4, max_tokens=max_tokens)
     return {**res, "source": str(source_file())}

@@ -7,7 +7,7 @@ mean of those columns. Rows: the baseline, then every arm after pruning and afte
 
 from __future__ import annotations
 
-from pathlib import Path
+from sinv_prune.lmeval.harness import headline
 
 
 def _models(results: dict) -> list[tuple[str, str, dict]]:
@@ -28,8 +28,6 @@ def task_names(results: dict) -> list[str]:
 
 
 def _headline(metrics: dict | None):
-    from sinv_prune.lmeval.harness import headline
-
     return headline(metrics) if metrics else None
 
 
@@ -123,24 +121,3 @@ def generation_lines(results: dict) -> list[str]:
 
 def _cell(text: str) -> str:
     return " ".join(text.split("\n")).strip()
-
-
-def plot_accuracy_vs_params(results: dict, path: Path) -> Path | None:
-    """Mean task accuracy per arm, drawn like the perplexity plot (arms as columns, open after pruning,
-    filled after fine-tuning); None when the run has no tasks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from sinv_prune.pipeline.report_figure import per_arm_figure
-
-    names = task_names(results)
-    if not names or mean_accuracy(results["baseline"], names) is None:
-        return None
-    label = f"mean accuracy over {len(names)} task{'s' if len(names) > 1 else ''} (higher is better)"
-    fig = per_arm_figure(results, lambda ev: mean_accuracy(ev, names), label, log_y=False, note=", ".join(names))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path

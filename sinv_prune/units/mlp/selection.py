@@ -1,9 +1,9 @@
-"""Selection of MLP channels and whole layers: scores + an amount + constraints -> what to remove.
+"""Selection of MLP channels: scores + an amount + constraints -> the channels to remove.
 
-The counterparts of :func:`sinv_prune.scoring.selection.select_heads` for the other units a
-criterion scores (higher = keep), ordered the same way: by score (``global``, ``uniform``)
-or by rank within the layer over the layer's size (``per_layer``), equal keys by a
-permutation drawn from ``seed``; only the order of the scores matters.
+The counterpart of :func:`sinv_prune.units.heads.selection.select_heads` for channels (and, with
+``items="experts"``, the experts unit's experts) a criterion scores (higher = keep), ordered the
+same way: by score (``global``, ``uniform``) or by rank within the layer over the layer's size
+(``per_layer``), equal keys by a permutation drawn from ``seed``; only the order of the scores matters.
 
 :func:`select_channels`: in ``global`` mode the scores are first standardised within each layer
 (``(s - mean) / std``, FLAP), because criteria's raw scales differ from layer to layer (ranking raw
@@ -16,8 +16,6 @@ lowest ranks, skipping layers at their minimum, when ``multiple == 1``; a knapsa
 otherwise); ``uniform`` leaves every layer with the same channel count. As for heads, when the
 amount cannot be met exactly the largest achievable number not exceeding it is removed with a
 warning (``exact=True`` raises).
-
-:func:`select_layers`: the lowest-scored layers, keeping at least ``min_layers``.
 """
 
 from __future__ import annotations
@@ -32,7 +30,8 @@ from typing import NamedTuple
 from torch import nn
 
 from sinv_prune.arch import get_adapter
-from sinv_prune.scoring.selection import MODES, _count, _knapsack, _nonnegative, _ranks
+from sinv_prune.surgery.unit import nonnegative
+from sinv_prune.units.common import MODES, amount_count, distinct_ranks, knapsack_layers
 
 
 def standardize(scores: Sequence[float]) -> list[float]:
@@ -105,22 +104,22 @@ def select_channels(
         min_keep = None
     else:
         min_keep = None if min_channels_per_layer is None else _floor(min_channels_per_layer)
-    step = _nonnegative(multiple, "multiple")
+    step = nonnegative(multiple, "multiple")
     if step < 1:
         raise ValueError(f"multiple must be a positive integer, got {multiple!r}")
     rows = _check_rows(scores, sizes)
-    wanted = _count(amount, sum(sizes), items, "a count")
+    wanted = amount_count(amount, sum(sizes), items, "a count")
     if wanted == 0:
         return {}
     # global: scores standardised within each layer first (FLAP), so no layer's scale decides for it.
-    ranks = _ranks([standardize(r) for r in rows] if mode == "global" else rows, mode, seed)
+    ranks = distinct_ranks([standardize(r) for r in rows] if mode == "global" else rows, mode, seed)
     order = [sorted(range(len(r)), key=r.__getitem__) for r in ranks]  # lowest rank (remove first) first
     if floors is not None:
         keeps, shown = floors, "per-layer floors"
     else:
         keeps = [(quarter(n) if mode == "global" else 1) if min_keep is None else min_keep for n in sizes]
         shown = "a quarter of each layer" if min_keep is None and mode == "global" else (min_keep or 1)
-    allowed = [_removals(n, keep, step) for n, keep in zip(sizes, keeps, strict=True)]
+    allowed = [removal_counts(n, keep, step) for n, keep in zip(sizes, keeps, strict=True)]
     floor = "min_channels_per_layer" if items == "channels" else f"min_{items}_per_layer"
     where = f"with {floor}={shown} and multiple={step}" if step != 1 or items == "channels" else f"with {floor}={shown}"
     if mode == "uniform":
@@ -145,35 +144,10 @@ def select_channels(
 
 
 def _floor(value) -> int:
-    floor = _nonnegative(value, "min_channels_per_layer")
+    floor = nonnegative(value, "min_channels_per_layer")
     if floor < 1:
         raise ValueError("min_channels_per_layer must be at least 1 (an MLP cannot lose every channel)")
     return floor
-
-
-def select_layers(scores: Sequence[float], amount: int | float, *, min_layers: int = 1, seed: int = 0) -> list[int]:
-    """Layers to remove (current numbering, ascending): the ``amount`` lowest-scored ones.
-
-    ``scores``: one float per current layer, higher = keep; ``amount``: an ``int`` number of
-    layers or a ``float`` fraction of them (rounded half up); at least ``min_layers`` (>= 1)
-    stay. Equal scores are ordered by a permutation drawn from ``seed``.
-    """
-    values = []
-    for layer, value in enumerate(scores):
-        if isinstance(value, Sequence | nn.Module | bool):
-            raise ValueError(f"layer scores are one float per layer; layer {layer} has {type(value).__name__}")
-        value = float(value)
-        if math.isnan(value):
-            raise ValueError(f"layer {layer}: a NaN score cannot be ranked")
-        values.append(value)
-    keep = _nonnegative(min_layers, "min_layers")
-    if keep < 1:
-        raise ValueError("min_layers must be at least 1 (a model cannot lose every layer)")
-    wanted = _count(amount, len(values), "layers", "a count")
-    if wanted and len(values) - wanted < keep:
-        raise ValueError(f"removing {wanted} of {len(values)} layers would leave fewer than min_layers={keep}")
-    ranks = _ranks([values], "global", seed)[0]
-    return sorted(sorted(range(len(values)), key=ranks.__getitem__)[:wanted])
 
 
 # -- inputs -------------------------------------------------------------------------------
@@ -182,7 +156,7 @@ def select_layers(scores: Sequence[float], amount: int | float, *, min_layers: i
 def _sizes(sizes: Sequence[int]) -> list[int]:
     if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence):
         raise ValueError(f"channel sizes must be a model or a list of ints per layer, got {type(sizes).__name__}")
-    return [_nonnegative(n, f"channel count of layer {layer}") for layer, n in enumerate(sizes)]
+    return [nonnegative(n, f"channel count of layer {layer}") for layer, n in enumerate(sizes)]
 
 
 def _check_rows(scores, sizes: list[int]) -> list[list[float]]:
@@ -204,7 +178,7 @@ def _check_rows(scores, sizes: list[int]) -> list[list[float]]:
 # -- per layer and across layers ----------------------------------------------------------
 
 
-def _removals(n: int, min_keep: int, step: int) -> list[int]:
+def removal_counts(n: int, min_keep: int, step: int) -> list[int]:
     """Numbers of channels a layer of ``n`` may lose, ascending (0 first)."""
     kept = [k for k in range(step, n, step) if k >= min_keep]
     return [0] + [n - k for k in reversed(kept)]
@@ -229,7 +203,7 @@ def _fewest_cost(ranks, order, allowed: list[list[int]], wanted: int, where: str
     for row, lowest, removals in zip(ranks, order, allowed, strict=True):
         prefix = [0, *accumulate(row[c] for c in lowest)]
         options.append({r // unit: _Option(prefix[r], r) for r in removals})
-    return [opt.removed for opt in _knapsack(options, wanted // unit, where)]
+    return [opt.removed for opt in knapsack_layers(options, wanted // unit, where)]
 
 
 def _uniform(sizes: list[int], min_keep: int, step: int, wanted: int, where: str, items: str = "channels") -> list[int]:

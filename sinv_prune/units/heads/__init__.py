@@ -9,13 +9,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter, HeadLayout, get_adapter
-from sinv_prune.scoring.gates import head_gates
-from sinv_prune.scoring.selection import DEFAULT_LAYOUT, _configs, model_layouts, select_heads
-from sinv_prune.surgery.cuts import head_cuts
 from sinv_prune.surgery.record import PruningRecord
-from sinv_prune.surgery.shapes import apply_layer
-from sinv_prune.units.base import Unit, per_layer, score_rows
-from sinv_prune.units.registry import register_unit
+from sinv_prune.surgery.unit import Unit, per_layer, register_unit, score_rows
+from sinv_prune.units.heads.cuts import apply_layer, head_cuts
+from sinv_prune.units.heads.gates import head_gates
+from sinv_prune.units.heads.selection import DEFAULT_LAYOUT, layer_configs, model_layouts, select_heads
 
 
 class HeadsUnit(Unit):
@@ -161,7 +159,7 @@ def head_cost(model: nn.Module, layer: int) -> int:
 
 def head_removals(layout: HeadLayout, min_heads: int, shape: str) -> list[int]:
     """Head counts a layer may lose under ``shape`` (q_per_group keeps every KV head, so cost per head is fixed)."""
-    configs = _configs(list(range(layout.num_heads)), layout, min_heads, shape)
+    configs = layer_configs(list(range(layout.num_heads)), layout, min_heads, shape)
     return sorted({layout.num_heads - s * c for s, c in configs})
 
 

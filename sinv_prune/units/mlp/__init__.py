@@ -23,14 +23,12 @@ from torch import nn
 
 from sinv_prune.arch import HeadAdapter, get_adapter
 from sinv_prune.log_level import log_level
-from sinv_prune.scoring.gates import channel_gates
-from sinv_prune.scoring.selection import _nonnegative
-from sinv_prune.scoring.selection_units import _removals, quarter, select_channels
-from sinv_prune.surgery.cuts import mlp_cuts
+from sinv_prune.surgery.checkpoint import expert_widths
 from sinv_prune.surgery.record import PruningRecord
-from sinv_prune.surgery.shapes import apply_expert_channels, apply_mlp
-from sinv_prune.units.base import Unit, per_layer, score_rows
-from sinv_prune.units.registry import register_unit
+from sinv_prune.surgery.unit import Unit, nonnegative, per_layer, register_unit, score_rows
+from sinv_prune.units.mlp.cuts import apply_expert_channels, apply_mlp, mlp_cuts
+from sinv_prune.units.mlp.gates import channel_gates
+from sinv_prune.units.mlp.selection import quarter, removal_counts, select_channels
 
 
 class MlpUnit(Unit):
@@ -61,7 +59,7 @@ class MlpUnit(Unit):
 
     def check_part(self, part) -> None:
         super().check_part(part)
-        if isinstance(part.multiple, bool) or _nonnegative(part.multiple, "multiple") < 1:
+        if isinstance(part.multiple, bool) or nonnegative(part.multiple, "multiple") < 1:
             raise ValueError(f"multiple must be a positive integer, got {part.multiple!r}")
 
     def allowed(self, model, layer, row, min_per_layer, multiple, shape):
@@ -75,7 +73,7 @@ class MlpUnit(Unit):
         if len(row) != width:
             raise ValueError(f"layer {layer}: {len(row)} scores for {width} channels")
         least = quarter(width) if min_per_layer is None else min_per_layer
-        return _removals(width, least, multiple), None
+        return removal_counts(width, least, multiple), None
 
     def validate(self, model, adapter, entry, *, allow_empty_layers=False):
         return plan_channels(adapter, {} if entry is None else entry)
@@ -380,12 +378,6 @@ def layer_width(adapter: HeadAdapter, layer: int) -> int:
     """How many MLP items ``layer`` holds: its dense width, or every channel inside its experts."""
     geometry = moe_geometry(adapter, layer)
     return adapter.intermediate_size(layer) if geometry is None else geometry.total
-
-
-def expert_widths(adapter: HeadAdapter) -> tuple[set[int], set[int]]:
-    """The routed-expert widths and the shared-expert widths over the MoE layers."""
-    geometries = [g for g in (moe_geometry(adapter, i) for i in range(adapter.num_layers)) if g is not None]
-    return {g.width for g in geometries}, {g.shared for g in geometries if g.shared}
 
 
 def plan_expert_channels(layer: int, g: Geometry, removed: list[int]) -> ExpertChannels:

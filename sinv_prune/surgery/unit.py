@@ -2,7 +2,7 @@
 
 A unit is one kind of thing a plan removes. Its module says everything the rest of the code asks
 of it, so that the plan, the selection, the allocation and the part checks iterate over the
-registered units (:mod:`sinv_prune.units.registry`) instead of naming them:
+registered units (:func:`units`, the registry below) instead of naming them:
 
 * ``sizes(model)``: how many items each current layer holds (a whole-layer unit: ``[num_layers]``);
 * ``cost(model, layer)``: the parameters one item of ``layer`` holds;
@@ -18,13 +18,15 @@ registered units (:mod:`sinv_prune.units.registry`) instead of naming them:
   numbering (rounds);
 * ``info`` / ``card_label`` / ``card_text``: its words in ``sinv-prune info`` and the Hub card.
 
-Whole-layer units (``whole_layers``) are dropped by the removal itself after the per-layer cuts.
+Whole-layer units (``whole_layers``) are dropped by the removal itself after the per-layer cuts. Here, in
+``surgery/``, because the removal and reload iterate over the units, which use the surgery's record and cuts.
 """
 
 from __future__ import annotations
 
 import operator
 import random
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -33,11 +35,10 @@ from typing import Any, ClassVar
 from torch import nn
 
 from sinv_prune.arch import HeadAdapter
-from sinv_prune.scoring.selection import _nonnegative
 
 
 class Unit(ABC):
-    """One kind of prunable unit; register an instance with :func:`~sinv_prune.units.registry.register_unit`.
+    """One kind of prunable unit; register an instance with :func:`register_unit`.
 
     ``name`` is the key in plans, parts, recipes and scores; ``noun`` names one item in messages and
     ``plural`` its count (``f"{plural}_removed"`` in summaries). ``whole_layers``: the plan entry is a
@@ -79,7 +80,7 @@ class Unit(ABC):
             raise ValueError(
                 f"a {self.name} part has one score per layer; its mode must be 'global', got {part.mode!r}"
             )
-        least = 1 if part.min_per_layer is None else _nonnegative(part.min_per_layer, "min_per_layer")
+        least = 1 if part.min_per_layer is None else nonnegative(part.min_per_layer, "min_per_layer")
         if least < self.min_floor:
             raise ValueError(
                 f"min_per_layer must be at least {self.min_floor} for {self.name!r} (0 would empty the model or an MLP)"
@@ -285,3 +286,59 @@ def index(value, what: str) -> int:
         return operator.index(value)
     except TypeError:
         raise ValueError(f"{what} index must be an integer, got {value!r}") from None
+
+
+def nonnegative(value, what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be a non-negative integer, got {value!r}") from None
+    if value < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+# -- the registry: name -> Unit instance ------------------------------------------------
+
+_UNITS: dict[str, Unit] = {}
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def register_unit(unit: Unit) -> Unit:
+    """Add ``unit`` under ``unit.name`` (lower snake case); refuses a taken name. Returns ``unit``."""
+    if not isinstance(unit, Unit):
+        raise TypeError(f"register_unit takes a Unit instance, got {type(unit).__name__}")
+    name = getattr(unit, "name", None)
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"unit name must be lower snake case, got {name!r}")
+    if name in _UNITS:
+        raise ValueError(f"unit {name!r} is already registered ({type(_UNITS[name]).__name__})")
+    _UNITS[name] = unit
+    return unit
+
+
+def unregister_unit(name: str) -> None:
+    """Remove a unit :func:`register_unit` added; an unknown name raises."""
+    if _UNITS.pop(name, None) is None:
+        raise ValueError(f"unit {name!r} is not registered")
+
+
+def unit_names() -> tuple[str, ...]:
+    """The registered units' names for messages and schemas: per-layer units in registration order, then
+    whole-layer ones (``heads``, ``mlp``, ..., ``layers``)."""
+    return tuple(sorted(_UNITS, key=lambda name: _UNITS[name].whole_layers))
+
+
+def units() -> list[Unit]:
+    """The registered units, whole-layer units first (they are selected and cut first)."""
+    return sorted(_UNITS.values(), key=lambda u: not u.whole_layers)
+
+
+def get_unit(name: str) -> Unit:
+    """The unit registered as ``name``; an unknown name raises a one-line ``ValueError`` listing the known."""
+    unit = _UNITS.get(name) if isinstance(name, str) else None
+    if unit is None:
+        raise ValueError(f"unknown unit {name!r}; choose one of {', '.join(unit_names())}")
+    return unit
