@@ -15,6 +15,8 @@ Rows (``--rows``; settings not named come from ``finetune``'s defaults, ``FINETU
 * ``kd``: distillation from the cached top-k at ``--lr`` (default: the default rate);
 * ``alpha=X`` / ``T=X``: ``kd`` with that distillation alpha / temperature;
 * ``hidden=W``: ``kd`` from the live teacher plus ``distill.hidden_weight: W`` (Minitron's intermediate states);
+* ``forced=W``: ``hidden=W`` with ``distill.hidden_inputs: teacher`` (each block fed its teacher block's input:
+  a layer-wise loss on the kept blocks);
 * ``live``: ``kd`` from the live teacher (the time and memory ``hidden`` is read against);
 * ``freeze``: ``kd`` training only the projections of the blocks that lost units (the pruning record says
   which); the control lost nothing, so it stays the untouched model;
@@ -95,6 +97,8 @@ def row_settings(row: str, args) -> dict:
         distill["temperature"] = float(value)
     elif name in ("hidden", "live"):
         distill = {"teacher": "base", "hidden_weight": float(value or 0)}
+    elif name == "forced":
+        distill = {"teacher": "base", "hidden_weight": float(value or 1), "hidden_inputs": "teacher"}
     elif name == "lora":
         spec = {"learning_rate": args.lora_lr, "lora": {"r": 16, "alpha": 32.0}}
     elif name not in ("kd", "freeze"):

@@ -565,13 +565,17 @@ def test_bench_finetune_quick(tmp_path, capsys):
         "old",
         "freeze",
         "hidden=1",
+        "forced=1",
         "--json",
         str(tmp_path / "f.json"),
     ]
     result, out = _run("bench_finetune", argv, capsys)
     _header(out, "bench_finetune", argv)
     rows = {r["row"]: r for r in result["rows"]}
-    assert list(rows) == ["kd", "old", "freeze", "hidden=1"]
+    assert list(rows) == ["kd", "old", "freeze", "hidden=1", "forced=1"]
+    assert rows["forced=1"]["settings"]["spec"]["distill"]["hidden_inputs"] == "teacher"
+    # the two hidden-state rows train the same model on different losses: different perplexities
+    assert rows["forced=1"]["pruned"]["ppl"] != rows["hidden=1"]["pruned"]["ppl"]
     assert rows["old"]["settings"]["spec"]["lr_scheduler"] == "constant"
     # freezing what was not cut leaves the control (nothing cut) as it was: its perplexity is the unpruned one
     assert rows["freeze"]["control"]["trainable"] == 0

@@ -202,3 +202,79 @@ def test_hidden_weight_adds_to_the_loss_needs_the_live_teacher_and_trains(tmp_pa
     out = run_trainer(student, word_tokenizer(), blocks, None, spec, tmp_path / "run", mlm=False, seed=0,
                       device="cpu", quiet=True, teacher=teacher)  # fmt: skip
     assert out.global_step == 3
+
+
+def test_teacher_fed_blocks_give_the_hybrid_models_error_and_no_gradient_crosses_blocks(tmp_path):
+    """``hidden_inputs: teacher``: each student block's term is its output on the teacher's input to its block,
+    the same as a teacher whose block is swapped for the student's (an independent recomputation), and the
+    loss trains each block alone (nothing flows back into the embeddings through the stream)."""
+    from test_distill import trainer_for
+
+    import sinv_prune
+    from sinv_prune.pipeline.distill import DistillTrainer
+    from sinv_prune.pipeline.distill_hidden import BlockOutputs, forced_outputs, hidden_loss, layer_pairs
+
+    teacher = tiny_model("llama", num_hidden_layers=4)
+    student = copy.deepcopy(teacher)
+    sinv_prune.prune(student, {"layers": [1], "mlp": {2: [0, 1, 2]}})
+    with torch.no_grad():
+        student.model.layers[0].self_attn.o_proj.weight.mul_(4.0)  # block 0 differs too: its input stays the same
+    pairs = layer_pairs(student, teacher)
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    keep = torch.ones(2, 10, dtype=torch.bool)
+    keep[1, 7:] = False
+    with BlockOutputs(student, [0, 1, 2], calls=True) as s_out, BlockOutputs(teacher, [0, 2, 3], calls=True) as t_out:
+        student(input_ids=ids)
+        with torch.no_grad():
+            teacher(input_ids=ids)
+    forced = forced_outputs(s_out, t_out, pairs)
+    teacher_outputs = t_out.take()
+    terms = []
+    for s, t in pairs[:-1]:  # the last hidden state the model returns is normed: the first two pairs by hand
+        hybrid = copy.deepcopy(teacher)
+        hybrid.model.layers[t] = copy.deepcopy(student.model.layers[s])
+        with torch.no_grad():
+            h = hybrid(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states[t + 1]
+        torch.testing.assert_close(forced[s].detach(), h, rtol=1e-5, atol=1e-6)
+        ht = teacher_outputs[t]
+        terms.append((h - ht)[keep].pow(2).sum() / ht[keep].pow(2).sum())
+    assert min(t.item() for t in terms) > 1e-5
+    two = hidden_loss({s: forced[s] for s, _ in pairs[:-1]}, teacher_outputs, pairs[:-1], keep)
+    assert two.item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-5)
+    loss = hidden_loss(forced, teacher_outputs, pairs, keep)
+    loss.backward()
+    assert student.model.embed_tokens.weight.grad is None  # the teacher's inputs are constants: no stream gradient
+    assert student.model.layers[0].self_attn.o_proj.weight.grad.abs().sum() > 0
+
+    # through the trainer: the loss is the KL plus the weight times the teacher-fed term, and it differs
+    # from the student-stream term of the same weight
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    student.zero_grad()
+    student.train()
+    args = trainer_for(tmp_path, student, teacher).args
+    plain = trainer_for(tmp_path, student, teacher, alpha=1.0).compute_loss(student, inputs).item()
+    by = {mode: DistillTrainer(model=student, args=args, teacher=teacher, temperature=2.0, alpha=1.0, causal=True,
+                               hidden_weight=3.0, hidden_inputs=mode).compute_loss(student, inputs).item()
+          for mode in ("teacher", "student")}  # fmt: skip
+    every = hidden_loss({s: y.detach() for s, y in forced.items()}, teacher_outputs, pairs, torch.ones_like(keep))
+    assert by["teacher"] == pytest.approx(plain + 3.0 * every.item(), rel=1e-4)
+    assert abs(by["teacher"] - by["student"]) > 1e-4
+    with pytest.raises(ValueError, match="hidden_inputs needs hidden_weight"):
+        validate_recipe({**BASE, "finetune": {"max_steps": 2, "distill": {"hidden_inputs": "teacher"}}})
+    spec = validate_recipe(
+        {
+            **BASE,
+            "finetune": {
+                "max_steps": 3,
+                "batch_size": 4,
+                "save_every": 100,
+                "distill": {"hidden_weight": 1.0, "hidden_inputs": "teacher"},
+            },
+        }
+    )
+    blocks = Blocks(torch.randint(3, VOCAB, (12, 16), generator=torch.Generator().manual_seed(0)))
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    out = run_trainer(student, word_tokenizer(), blocks, None, spec.finetune, tmp_path / "run", mlm=False, seed=0,
+                      device="cpu", quiet=True, teacher=teacher)  # fmt: skip
+    assert out.global_step == 3
+    assert any(not torch.equal(before[k], v) for k, v in student.state_dict().items())

@@ -22,7 +22,8 @@ no teacher at training time: each batch carries its blocks' ``index``, the cache
 up by it and the KL is :func:`~sinv_prune.pipeline.distill_cache.topk_kl` over the teacher's top-k support.
 
 ``hidden_weight > 0`` (live teacher only) adds ``hidden_weight * L_hidden``, the relative squared error between
-the student's block outputs and those of the teacher blocks they descend from
+the student's block outputs and those of the teacher blocks they descend from; with ``hidden_inputs
+"teacher"`` each student block is run on its teacher block's input for that term (a layer-wise loss)
 (:mod:`sinv_prune.pipeline.distill_hidden`).
 """
 
@@ -87,6 +88,7 @@ class DistillMixin:
         cache=None,
         hidden_weight: float = 0.0,
         hidden_layers: list[int] | None = None,
+        hidden_inputs: str = "student",
         **kw,
     ):
         if not temperature > 0:
@@ -101,6 +103,8 @@ class DistillMixin:
             raise ValueError(f"distillation hidden_weight must be >= 0, got {hidden_weight}")
         if hidden_weight and teacher is None:
             raise ValueError("distill.hidden_weight needs the live teacher (its hidden states are not cached)")
+        if hidden_inputs not in ("student", "teacher"):
+            raise ValueError(f"distill.hidden_inputs must be 'student' or 'teacher', got {hidden_inputs!r}")
         self.teacher = teacher.eval().requires_grad_(False) if teacher is not None else None
         self.cache = cache
         self.temperature, self.alpha, self.causal = float(temperature), float(alpha), causal
@@ -114,8 +118,9 @@ class DistillMixin:
 
             student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # LoRA
             pairs = layer_pairs(student, self.teacher, hidden_layers)
-            self._hidden = (pairs, BlockOutputs(student, [s for s, _ in pairs]),
-                            BlockOutputs(self.teacher, [t for _, t in pairs]))  # fmt: skip
+            forced = hidden_inputs == "teacher"  # the layer-wise loss: each block fed the teacher's input
+            self._hidden = (pairs, BlockOutputs(student, [s for s, _ in pairs], calls=forced),
+                            BlockOutputs(self.teacher, [t for _, t in pairs], calls=forced), forced)  # fmt: skip
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
@@ -145,11 +150,13 @@ class DistillMixin:
         loss = self.alpha * self.temperature**2 * kl + (1 - self.alpha) * lm_loss
         logged = [kl.detach(), lm_loss.detach().mean().float()]
         if self._hidden:
-            from sinv_prune.pipeline.distill_hidden import hidden_loss
+            from sinv_prune.pipeline.distill_hidden import forced_outputs, hidden_loss
 
-            pairs, student_out, teacher_out = self._hidden
+            pairs, student_out, teacher_out, forced = self._hidden
             keep = labels != -100
-            hidden = hidden_loss(student_out.take(), teacher_out.take(), pairs, keep)
+            ours = forced_outputs(student_out, teacher_out, pairs) if forced else student_out.take()
+            student_out.take()
+            hidden = hidden_loss(ours, teacher_out.take(), pairs, keep)
             loss = loss + self.hidden_weight * hidden
             logged.append(hidden.detach())
         self._distill_logged.append(torch.stack(logged))

@@ -14,12 +14,19 @@ blocks, omitted: every block both keep. Widths must match (pruning never changes
 
 The outputs are taken by forward hooks on the blocks (:class:`BlockOutputs`), so the model's forward is
 unchanged; the student's keep their autograd graph, the teacher's run under ``no_grad``.
+
+``distill.hidden_inputs: teacher`` makes it a layer-wise loss on the kept blocks: ``h_s`` is then student
+block ``s`` run once more on the *teacher's* input to block ``t`` (its other arguments, the mask and the
+position embeddings, from the student's own call), so every block learns to redo its teacher block's step
+from the same starting point, whatever the blocks before it do (:func:`forced_outputs`). It costs one more
+forward and backward of every paired block per step.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from sinv_prune.arch import get_adapter
 from sinv_prune.surgery.record import get_record
@@ -53,12 +60,15 @@ def layer_pairs(student: nn.Module, teacher: nn.Module, layers: list[int] | None
 
 
 class BlockOutputs:
-    """Within the block, ``outputs[i]`` is what block ``i`` of ``model`` (one of ``layers``) gave last forward."""
+    """Within the block, ``outputs[i]`` is what block ``i`` of ``model`` (one of ``layers``) gave last forward;
+    with ``calls``, ``calls[i]`` is the ``(args, kwargs)`` it was called with."""
 
-    def __init__(self, model: nn.Module, layers: list[int]):
+    def __init__(self, model: nn.Module, layers: list[int], calls: bool = False):
         self.blocks = get_adapter(model).layers()
         self.layers = layers
+        self.keep_calls = calls
         self.outputs: dict[int, torch.Tensor] = {}
+        self.calls: dict[int, tuple[tuple, dict]] = {}
         self._handles: list = []
 
     def _hook(self, index: int):
@@ -67,8 +77,17 @@ class BlockOutputs:
 
         return keep
 
+    def _pre_hook(self, index: int):
+        def keep(module, args, kwargs):
+            self.calls[index] = (args, kwargs)
+
+        return keep
+
     def __enter__(self) -> BlockOutputs:
         self._handles = [self.blocks[i].register_forward_hook(self._hook(i)) for i in self.layers]
+        if self.keep_calls:
+            self._handles += [self.blocks[i].register_forward_pre_hook(self._pre_hook(i), with_kwargs=True)
+                              for i in self.layers]  # fmt: skip
         return self
 
     def __exit__(self, *exc) -> None:
@@ -77,9 +96,34 @@ class BlockOutputs:
         self._handles = []
 
     def take(self) -> dict[int, torch.Tensor]:
-        """The outputs kept since the last ``take`` (and forget them)."""
-        out, self.outputs = self.outputs, {}
+        """The outputs kept since the last ``take`` (and forget them and the calls)."""
+        out, self.outputs, self.calls = self.outputs, {}, {}
         return out
+
+
+def _block_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def forced_outputs(student: BlockOutputs, teacher: BlockOutputs, pairs) -> dict[int, torch.Tensor]:
+    """``{s: student block s run on teacher block t's input}`` for each pair (the hooks' last forward of both).
+
+    The student's other arguments (attention mask, position embeddings, ...) are those of its own call;
+    call it after the hooks are removed, so that this forward is not recorded again.
+    """
+    out = {}
+    for s, t in pairs:
+        args, kwargs = student.calls[s]
+        h = _block_input(*teacher.calls[t]).detach().to(_block_input(args, kwargs).device)
+        if args:
+            args = (h, *args[1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": h}
+        # the forward's KV cache already holds this block's keys: this extra call must not add to it
+        kwargs = {k: None if isinstance(v, Cache) else v for k, v in kwargs.items()}
+        y = student.blocks[s](*args, **kwargs)
+        out[s] = y[0] if isinstance(y, tuple) else y
+    return out
 
 
 def hidden_loss(

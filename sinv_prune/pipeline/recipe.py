@@ -293,7 +293,9 @@ class DistillSpec(Strict):
 
     ``hidden_weight: w`` (Minitron's intermediate-state loss; live teacher, no ``cache_top_k``) adds ``w`` times
     the relative squared error between each student block's output and that of the teacher block it descends
-    from (the pruning record says which; ``hidden_layers``: only these original blocks), see
+    from (the pruning record says which; ``hidden_layers``: only these original blocks); ``hidden_inputs:
+    teacher`` feeds each student block its teacher block's input for that term (a layer-wise loss on the
+    kept blocks; ``student``, the default: the student's own stream, as Minitron), see
     :mod:`sinv_prune.pipeline.distill_hidden`.
     """
 
@@ -304,6 +306,7 @@ class DistillSpec(Strict):
     cache_dtype: Literal["float16", "float32"] = "float16"
     hidden_weight: float = Field(0.0, ge=0)
     hidden_layers: list[int] | None = Field(None, min_length=1)
+    hidden_inputs: Literal["student", "teacher"] = "student"
 
     @model_validator(mode="after")
     def _hidden_needs_the_teacher(self):
@@ -312,6 +315,8 @@ class DistillSpec(Strict):
                              "drop cache_top_k")  # fmt: skip
         if self.hidden_layers is not None and not self.hidden_weight:
             raise ValueError("hidden_layers needs hidden_weight > 0")
+        if self.hidden_inputs != "student" and not self.hidden_weight:
+            raise ValueError("hidden_inputs needs hidden_weight > 0")
         return self
 
 

@@ -625,7 +625,7 @@ def _save_finetuned(run: Run, model, arm_dir: Path, state: dict, out, curve, seq
         if distill["cache_top_k"] is None:
             del distill["cache_top_k"], distill["cache_dtype"]
         if not distill["hidden_weight"]:
-            del distill["hidden_weight"], distill["hidden_layers"]
+            del distill["hidden_weight"], distill["hidden_layers"], distill["hidden_inputs"]
         state["finetune"]["distill"] = distill
     if spec.lora is not None:
         state["finetune"]["lora"] = spec.lora.model_dump()

@@ -164,7 +164,7 @@ def run_trainer(
         trainer_cls = distill_trainer_class(trainer_cls)
         extra = {"teacher": teacher, "cache": teacher_cache, "temperature": distill.temperature,
                  "alpha": distill.alpha, "causal": not mlm, "hidden_weight": distill.hidden_weight,
-                 "hidden_layers": distill.hidden_layers}  # fmt: skip
+                 "hidden_layers": distill.hidden_layers, "hidden_inputs": distill.hidden_inputs}  # fmt: skip
     trainer = trainer_cls(
         model=model,
         optimizer_cls_and_kwargs=(optimizer_cls, optimizer_kwargs),
