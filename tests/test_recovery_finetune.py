@@ -212,6 +212,9 @@ def test_the_cache_is_keyed_by_teacher_data_k_and_temperature(tmp_path):
         logits = teacher(input_ids=blocks[[2, 0]]).logits
     top, where = torch.log_softmax(logits / 2.0, dim=-1).topk(8, dim=-1)
     assert torch.equal(ids.long(), where) and torch.allclose(values.float(), top, atol=2e-3)
+    with torch.no_grad():  # the top-k share of the probability, recomputed over every block
+        every = torch.softmax(teacher(input_ids=blocks).logits / 2.0, dim=-1)
+    assert first.coverage == pytest.approx(every.topk(8, dim=-1).values.sum(-1).mean().item(), rel=1e-5)
     with pytest.raises(IndexError, match="not in the teacher cache"):
         first.rows(torch.tensor([4]), "cpu")
     assert isinstance(TeacherCache(first.path), TeacherCache)
@@ -354,3 +357,16 @@ def test_curve_points_carry_each_tasks_headline_metric(monkeypatch):
 
     assert point["perplexity"] == pytest.approx(perplexity(tiny_model("gpt2"), ids, seq_len=16, max_tokens=40,
                                                            progress=False)["perplexity"])  # fmt: skip
+
+
+def test_a_cache_that_holds_little_of_the_teacher_says_so(tmp_path, caplog):
+    """A top-k that leaves most of the softened distribution in the rest outcome is named, with what to change."""
+    teacher, blocks = tiny_model("llama"), random_blocks(4).blocks
+    with caplog.at_level("WARNING", logger="sinv_prune"):
+        low = build_cache(teacher, blocks, tmp_path, k=2, temperature=4.0)
+    assert low.coverage < 0.5
+    assert f"top 2 tokens hold only {100 * low.coverage:.0f}%" in caplog.text and "live teacher" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sinv_prune"):
+        whole = build_cache(teacher, blocks, tmp_path, k=VOCAB, temperature=4.0, dtype="float32")
+    assert whole.coverage == pytest.approx(1.0, abs=1e-4) and "hold only" not in caplog.text

@@ -47,6 +47,9 @@ from sinv_prune.strict_json import dumps
 
 logger = logging.getLogger("sinv_prune")
 CACHE_VERSION = 1
+#: Below this mean top-k share of the teacher's probability (at ``T``) the cache build warns: the rest, one
+#: outcome of the KL, then carries most of the teacher's distribution and the student learns little of it.
+LOW_COVERAGE = 0.9
 #: Elements of each weight tensor hashed into the teacher's fingerprint.
 FINGERPRINT_SAMPLES = 4096
 
@@ -124,6 +127,11 @@ class TeacherCache:
     def __len__(self) -> int:
         return len(self.values)
 
+    @property
+    def coverage(self) -> float:
+        """Mean share of the teacher's probability (at the cache's temperature) its top-k rows hold."""
+        return float(self.meta.get("coverage", float("nan")))  # nan: a cache built before it was recorded
+
     def rows(self, index: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached ``(values, ids)`` of the blocks ``index`` (a batch's ``index`` column), on ``device``."""
         where = np.asarray(index.detach().cpu(), dtype=np.int64).reshape(-1)
@@ -172,22 +180,34 @@ def build_cache(
         values = np.lib.format.open_memmap(d / "values.npy", mode="w+", dtype=np.dtype(dtype), shape=(n, seq_len, k))
         ids = np.lib.format.open_memmap(d / "ids.npy", mode="w+", dtype=np.int32, shape=(n, seq_len, k))
         starts = range(0, n, batch_size)
+        mass = 0.0
         for start in bar(starts, desc="teacher cache", unit="batch", disable=not progress):
             chunk = torch.as_tensor(np.array(blocks[start : start + batch_size]), dtype=torch.long, device=device)
             logits = teacher(input_ids=chunk).logits.float()
             top, where = F.log_softmax(logits / temperature, dim=-1).topk(k, dim=-1)
+            mass += top.exp().sum(-1).sum().item()
             values[start : start + len(chunk)] = top.cpu().numpy().astype(dtype)
             ids[start : start + len(chunk)] = where.cpu().numpy().astype(np.int32)
         values.flush()
         ids.flush()
         del values, ids
         meta = {"version": CACHE_VERSION, "blocks": int(n), "seq_len": int(seq_len), "k": k,
-                "temperature": float(temperature), "dtype": dtype, "vocab": int(vocab)}  # fmt: skip
+                "temperature": float(temperature), "dtype": dtype, "vocab": int(vocab),
+                "coverage": mass / max(1, n * seq_len)}  # fmt: skip
         (d / "meta.json").write_text(dumps(meta))
 
     write_dir(target, write)
-    logger.info("distillation cache: top-%d of %d blocks x %d tokens -> %s", k, n, seq_len, target)
-    return TeacherCache(target)
+    cache = TeacherCache(target)
+    logger.info("distillation cache: top-%d of %d blocks x %d tokens -> %s (they hold %.0f%% of the teacher's "
+                "probability at T %g)", k, n, seq_len, target, 100 * cache.coverage, temperature)  # fmt: skip
+    if cache.coverage < LOW_COVERAGE:
+        logger.warning(
+            "distill.cache_top_k: the teacher's top %d tokens hold only %.0f%% of its probability at temperature %g "
+            "(mean over the cached tokens); the other %.0f%% is one outcome of the KL, so the student learns "
+            "little of the teacher's distribution: raise cache_top_k, lower temperature, or drop cache_top_k "
+            "for the live teacher (docs/benchmarks.md section 15)", k, 100 * cache.coverage, temperature,
+            100 * (1 - cache.coverage))  # fmt: skip
+    return cache
 
 
 def run_cache(run, blocks, load_teacher) -> TeacherCache:
