@@ -154,8 +154,11 @@ class DistillMixin:
 
             pairs, student_out, teacher_out, forced = self._hidden
             keep = labels != -100
-            ours = forced_outputs(student_out, teacher_out, pairs) if forced else student_out.take()
-            student_out.take()
+            if forced:
+                ours = forced_outputs(student_out, teacher_out, pairs)
+                student_out.take()  # forget the student's own outputs and calls
+            else:
+                ours = student_out.take()
             hidden = hidden_loss(ours, teacher_out.take(), pairs, keep)
             loss = loss + self.hidden_weight * hidden
             logged.append(hidden.detach())
