@@ -368,5 +368,16 @@ def test_a_cache_that_holds_little_of_the_teacher_says_so(tmp_path, caplog):
     assert f"top 2 tokens hold only {100 * low.coverage:.0f}%" in caplog.text and "live teacher" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="sinv_prune"):
+        again = build_cache(teacher, blocks, tmp_path, k=2, temperature=4.0)  # reused: still said
+    assert again.path == low.path and "top 2 tokens hold only" in caplog.text
+    meta = json.loads((low.path / "meta.json").read_text())
+    del meta["coverage"]  # a cache from before coverage was recorded
+    (low.path / "meta.json").write_text(json.dumps(meta))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="sinv_prune"):
+        old = build_cache(teacher, blocks, tmp_path, k=2, temperature=4.0)
+    assert math.isnan(old.coverage) and "before coverage was recorded" in caplog.text and "hold only" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sinv_prune"):
         whole = build_cache(teacher, blocks, tmp_path, k=VOCAB, temperature=4.0, dtype="float32")
     assert whole.coverage == pytest.approx(1.0, abs=1e-4) and "hold only" not in caplog.text

@@ -173,7 +173,7 @@ def build_cache(
     target = Path(directory) / key
     if (target / "meta.json").is_file():
         logger.info("distillation cache: reusing %s", target)
-        return TeacherCache(target)
+        return report_coverage(TeacherCache(target), k, temperature)
     n, seq_len = np.shape(blocks)
 
     def write(d: Path) -> None:
@@ -198,8 +198,20 @@ def build_cache(
 
     write_dir(target, write)
     cache = TeacherCache(target)
-    logger.info("distillation cache: top-%d of %d blocks x %d tokens -> %s (they hold %.0f%% of the teacher's "
-                "probability at T %g)", k, n, seq_len, target, 100 * cache.coverage, temperature)  # fmt: skip
+    logger.info("distillation cache: top-%d of %d blocks x %d tokens -> %s", k, n, seq_len, target)
+    return report_coverage(cache, k, temperature)
+
+
+def report_coverage(cache: TeacherCache, k: int, temperature: float) -> TeacherCache:
+    """Log the share of the teacher's probability the cached top-k rows hold; warn below ``LOW_COVERAGE``.
+
+    Built and reused caches alike, so a rerun that reuses a thin cache still says so.
+    """
+    if cache.coverage != cache.coverage:  # nan
+        logger.info("distillation cache: built before coverage was recorded; rebuild it to know its share")
+        return cache
+    logger.info("distillation cache: the top %d hold %.0f%% of the teacher's probability at T %g",
+                k, 100 * cache.coverage, temperature)  # fmt: skip
     if cache.coverage < LOW_COVERAGE:
         logger.warning(
             "distill.cache_top_k: the teacher's top %d tokens hold only %.0f%% of its probability at temperature %g "
