@@ -11,9 +11,10 @@ recipes' first report prompt), tokens per second of the training and the peak re
 Rows (``--rows``; settings not named come from ``finetune``'s defaults, ``FINETUNE_RECIPE_DEFAULTS``):
 
 * ``lr=X``: distillation from the teacher's cached top-k (``--k``) at learning rate X (the sweep);
-* ``old``: the recipe's settings before issue 35: lr 1e-4 constant, no warmup;
+* ``old``: the recipe's settings before issue 35: lr 1e-4 constant, no warmup, T 2;
 * ``kd``: distillation from the cached top-k at ``--lr`` (default: the default rate);
-* ``alpha=X`` / ``T=X``: ``kd`` with that distillation alpha / temperature;
+* ``alpha=X`` / ``T=X``: ``kd`` with that distillation alpha / temperature (every other row: ``--temperature``,
+  distill's default 1 unless given; the rows of section 15 before issue 35 closed ran at 2, ``--temperature 2``);
 * ``hidden=W``: ``kd`` from the live teacher plus ``distill.hidden_weight: W`` (Minitron's intermediate states);
 * ``forced=W``: ``hidden=W`` with ``distill.hidden_inputs: teacher`` (each block fed its teacher block's input:
   a layer-wise loss on the kept blocks);
@@ -51,7 +52,7 @@ from sinv_prune.pipeline.data_stream import Blocks  # noqa: E402
 from sinv_prune.pipeline.distill_cache import build_cache  # noqa: E402
 from sinv_prune.pipeline.evaluation import perplexity  # noqa: E402
 from sinv_prune.pipeline.generations import DEFAULT_PROMPTS, greedy_continuations  # noqa: E402
-from sinv_prune.pipeline.recipe import FinetuneSpec  # noqa: E402
+from sinv_prune.pipeline.recipe import DistillSpec, FinetuneSpec  # noqa: E402
 from sinv_prune.pipeline.training import run_trainer  # noqa: E402
 from sinv_prune.surgery.record import get_record  # noqa: E402
 
@@ -66,6 +67,8 @@ def parse(argv):
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--k", type=int, default=64, help="distill.cache_top_k of the cached rows")
+    ap.add_argument("--temperature", type=float, default=DistillSpec.model_fields["temperature"].default,
+                    help="distill.temperature of every row but T=X (default: distill's default)")  # fmt: skip
     ap.add_argument("--lr", type=float, help="learning rate of the method rows (default: finetune's default)")
     ap.add_argument("--lora-lr", type=float, default=5e-4)
     ap.add_argument("--bf16", action="store_true", help="finetune.bf16 (mixed precision)")
@@ -85,20 +88,22 @@ def parse(argv):
 def row_settings(row: str, args) -> dict:
     """``{"spec": FinetuneSpec keys, "freeze": bool}`` of one row name (see the module docstring)."""
     name, _, value = row.partition("=")
-    distill = {"teacher": "base", "cache_top_k": args.k}
+    distill = {"teacher": "base", "cache_top_k": args.k, "temperature": args.temperature}
     spec = {"learning_rate": args.lr} if args.lr else {}
     if name == "lr":
         spec = {"learning_rate": float(value)}
     elif name == "old":
         spec = {"learning_rate": 1e-4, "lr_scheduler": "constant", "warmup_ratio": 0.0}
+        distill["temperature"] = 2.0
     elif name == "alpha":
         distill["alpha"] = float(value)
     elif name == "T":
         distill["temperature"] = float(value)
     elif name in ("hidden", "live"):
-        distill = {"teacher": "base", "hidden_weight": float(value or 0)}
+        distill = {"teacher": "base", "temperature": args.temperature, "hidden_weight": float(value or 0)}
     elif name == "forced":
-        distill = {"teacher": "base", "hidden_weight": float(value or 1), "hidden_inputs": "teacher"}
+        distill = {"teacher": "base", "temperature": args.temperature, "hidden_weight": float(value or 1),
+                   "hidden_inputs": "teacher"}  # fmt: skip
     elif name == "lora":
         spec = {"learning_rate": args.lora_lr, "lora": {"r": 16, "alpha": 32.0}}
     elif name not in ("kd", "freeze"):
@@ -224,12 +229,11 @@ def run(argv=None) -> int:
     print(f"before: unpruned {before['control']:.2f}, pruned {before['pruned']:.2f} "
           f"({before['pruned'] / before['control']:.3f}x); Paris: {before['paris']}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        cache = build_cache(teacher, blocks, Path(tmp) / "cache", k=args.k, temperature=2.0, batch_size=4)
-        caches = {2.0: cache}
+        caches = {}
         rows = []
         for row in args.rows:
             settings = row_settings(row, args)
-            T = settings["spec"]["distill"].get("temperature", 2.0)  # noqa: N806
+            T = settings["spec"]["distill"]["temperature"]  # noqa: N806
             if settings["spec"]["distill"].get("cache_top_k") and T not in caches:
                 caches[T] = build_cache(teacher, blocks, Path(tmp) / f"cache{T}", k=args.k, temperature=T, batch_size=4)
             out = {"row": row, "settings": settings}

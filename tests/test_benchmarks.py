@@ -577,6 +577,9 @@ def test_bench_finetune_quick(tmp_path, capsys):
     # the two hidden-state rows train the same model on different losses: different perplexities
     assert rows["forced=1"]["pruned"]["ppl"] != rows["hidden=1"]["pruned"]["ppl"]
     assert rows["old"]["settings"]["spec"]["lr_scheduler"] == "constant"
+    # every row distils at distill's default temperature (1) but the old recipe's row (2)
+    assert {r: rows[r]["settings"]["spec"]["distill"]["temperature"] for r in rows} == {
+        "kd": 1.0, "old": 2.0, "freeze": 1.0, "hidden=1": 1.0, "forced=1": 1.0}  # fmt: skip
     # freezing what was not cut leaves the control (nothing cut) as it was: its perplexity is the unpruned one
     assert rows["freeze"]["control"]["trainable"] == 0
     assert rows["freeze"]["control"]["ppl"] == pytest.approx(result["before"]["control"], rel=1e-6)

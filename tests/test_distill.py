@@ -226,7 +226,7 @@ def test_a_tiny_run_lowers_the_loss_and_the_kl_to_the_teacher(tmp_path):
     before = kl_to(teacher, student, held_out)
     logs = KeepLogs()
     out = distill_run(tmp_path, student.train(), teacher, 30, [logs], learning_rate=3e-4, save_every=5,
-                      distill={"alpha": 1.0})  # fmt: skip
+                      distill={"alpha": 1.0, "temperature": 2.0})  # fmt: skip
     assert out.global_step == 30 and len(logs.logs) == 6
     after = kl_to(teacher, student, held_out)
     assert after < 0.5 * before, (before, after)
@@ -300,7 +300,7 @@ def test_run_trainer_needs_a_teacher_with_distill_and_only_then(tmp_path):
 
 def test_recipe_accepts_distill_under_finetune_with_defaults():
     distill = validate_recipe({**BASE, "finetune": {"distill": {}}}).finetune.distill
-    assert (distill.teacher, distill.temperature, distill.alpha, distill.hidden_weight) == ("base", 2.0, 1.0, 0.0)
+    assert (distill.teacher, distill.temperature, distill.alpha, distill.hidden_weight) == ("base", 1.0, 1.0, 0.0)
     assert validate_recipe({**BASE, "finetune": {}}).finetune.distill is None
 
 

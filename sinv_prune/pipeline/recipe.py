@@ -281,7 +281,9 @@ class DistillSpec(Strict):
     The training loss is ``alpha * T**2 * KL(teacher_T || student_T) + (1 - alpha) * LM loss``, with
     ``T = temperature`` softening both distributions and the KL averaged over the tokens that carry a
     label (every next-token position of a causal LM, the masked positions of a masked LM):
-    ``alpha: 1`` is pure distillation, ``alpha: 0`` plain LM fine-tuning. ``teacher``: ``base``
+    ``alpha: 1`` is pure distillation, ``alpha: 0`` plain LM fine-tuning. ``temperature: 1`` by default
+    (Minitron's; at 2 a top-k cache holds a quarter of SmolLM2's probability and recovers a tenth as far,
+    docs/benchmarks.md section 15). ``teacher``: ``base``
     (the run's unpruned starting model, after ``train`` if there is one) or a local checkpoint
     directory (relative to the recipe file) with the same vocabulary. See :mod:`sinv_prune.pipeline.distill`.
 
@@ -300,7 +302,7 @@ class DistillSpec(Strict):
     """
 
     teacher: str = Field("base", min_length=1)
-    temperature: float = Field(2.0, gt=0)
+    temperature: float = Field(1.0, gt=0)
     alpha: float = Field(1.0, ge=0, le=1)
     cache_top_k: int | None = Field(None, gt=0)
     cache_dtype: Literal["float16", "float32"] = "float16"
