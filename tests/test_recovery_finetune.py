@@ -195,6 +195,12 @@ def test_the_cache_is_keyed_by_teacher_data_k_and_temperature(tmp_path):
     teacher, blocks = tiny_model("llama"), random_blocks(4).blocks
     first = build_cache(teacher, blocks, tmp_path, k=8, temperature=2.0)
     assert build_cache(teacher, blocks, tmp_path, k=8, temperature=2.0).path == first.path  # reused
+    saved = []  # the same teacher read from two run directories (each run's base/) keys alike
+    for where in ("run_a", "run_b"):
+        copy.deepcopy(teacher).save_pretrained(tmp_path / where)
+        saved.append(type(teacher).from_pretrained(tmp_path / where))
+    assert saved[0].config._name_or_path != saved[1].config._name_or_path
+    assert len({build_cache(model, blocks, tmp_path, k=8, temperature=2.0).path for model in saved}) == 1
     other_teacher = copy.deepcopy(teacher)
     with torch.no_grad():
         other_teacher.model.layers[1].mlp.down_proj.weight[3, 5] += 0.01

@@ -89,8 +89,13 @@ def topk_kl(
 
 
 def teacher_fingerprint(model) -> str:
-    """A hash of the teacher's config and a strided sample (``FINGERPRINT_SAMPLES`` values) of every weight."""
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    """A hash of the teacher's config and a strided sample (``FINGERPRINT_SAMPLES`` values) of every weight.
+
+    The config's ``_name_or_path`` (where it was loaded from) is left out: the same teacher read from another
+    run directory keeps its key, so a copied or moved cache is reused.
+    """
+    config = {key: value for key, value in model.config.to_dict().items() if key != "_name_or_path"}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
         step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
