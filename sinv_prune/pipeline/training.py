@@ -80,6 +80,12 @@ def _add_symmetry_breaking(model, spec) -> None:
     add_symmetry_breaking(model, seed=spec.seed, **kwargs)
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16); elsewhere torch emulates it, slowly."""
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: True)() for name in checks)
+
+
 def run_trainer(
     model,
     tokenizer,
@@ -118,6 +124,11 @@ def run_trainer(
     optimizer_cls, optimizer_kwargs = optimizer_cls_and_kwargs(spec)
     # ECD's update uses g / (F - F0): clipping the gradient would change it, so no clipping by default.
     max_grad_norm = spec.max_grad_norm if spec.max_grad_norm is not None else (0.0 if spec.optimizer == "ecd" else 1.0)
+    use_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+    if spec.bf16 and use_cpu and not cpu_has_bf16():
+        logger.warning("finetune.bf16 on a CPU without bfloat16 products (%s: no AMX, no AVX512-BF16): torch "
+                       "emulates them, slower than float32; drop finetune.bf16 here",
+                       torch.backends.cpu.get_cpu_capability())  # fmt: skip
     args = TrainingArguments(
         output_dir=str(output_dir),
         num_train_epochs=spec.epochs,
@@ -142,7 +153,7 @@ def run_trainer(
         report_to=[],
         seed=seed,
         data_seed=seed,
-        use_cpu=(device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu",
+        use_cpu=use_cpu,
         disable_tqdm=quiet,
         dataloader_num_workers=0,
         # transformers' name for gradient checkpointing; its default (non-reentrant) also gives checkpointed
