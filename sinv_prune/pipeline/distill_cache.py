@@ -95,7 +95,7 @@ def teacher_fingerprint(model) -> str:
     run directory keeps its key, so a copied or moved cache is reused.
     """
     config = {key: value for key, value in model.config.to_dict().items() if key != "_name_or_path"}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    digest = hashlib.sha256(dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
         step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
