@@ -88,7 +88,7 @@ def parse(argv):
 def row_settings(row: str, args) -> dict:
     """``{"spec": FinetuneSpec keys, "freeze": bool}`` of one row name (see the module docstring)."""
     name, _, value = row.partition("=")
-    distill = {"teacher": "base", "cache_top_k": args.k, "temperature": args.temperature}
+    distill = {"teacher": "base", "cache_top_k": args.k}
     spec = {"learning_rate": args.lr} if args.lr else {}
     if name == "lr":
         spec = {"learning_rate": float(value)}
@@ -100,14 +100,14 @@ def row_settings(row: str, args) -> dict:
     elif name == "T":
         distill["temperature"] = float(value)
     elif name in ("hidden", "live"):
-        distill = {"teacher": "base", "temperature": args.temperature, "hidden_weight": float(value or 0)}
+        distill = {"teacher": "base", "hidden_weight": float(value or 0)}
     elif name == "forced":
-        distill = {"teacher": "base", "temperature": args.temperature, "hidden_weight": float(value or 1),
-                   "hidden_inputs": "teacher"}  # fmt: skip
+        distill = {"teacher": "base", "hidden_weight": float(value or 1), "hidden_inputs": "teacher"}
     elif name == "lora":
         spec = {"learning_rate": args.lora_lr, "lora": {"r": 16, "alpha": 32.0}}
     elif name not in ("kd", "freeze"):
         raise SystemExit(f"unknown row {row!r}")
+    distill.setdefault("temperature", args.temperature)
     return {"spec": {**spec, "distill": distill}, "freeze": name == "freeze"}
 
 
