@@ -61,20 +61,24 @@ def test_bf16_fine_tuning_trains_under_autocast_and_keeps_float32_weights(tmp_pa
     assert losses[True] != losses[False]  # bfloat16 products: not the float32 run
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_bf16_on_a_cpu_without_bf16_products_warns(tmp_path, monkeypatch, caplog, native):
+@pytest.mark.parametrize(("native", "stage"), [(False, "finetune"), (True, "finetune"), (False, "train")])
+def test_bf16_on_a_cpu_without_bf16_products_warns(tmp_path, monkeypatch, caplog, native, stage):
     import torch
     from conftest import tiny_model
     from test_distill import finetune_spec
     from test_recovery_finetune import random_blocks, train
 
+    from sinv_prune.pipeline.recipe import TrainSpec
+
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     spec = finetune_spec(max_steps=1, distill=None, bf16=True)
+    if stage == "train":  # the train stage's spec: the warning names the train section's key
+        spec = TrainSpec.model_validate({"max_steps": 1, "batch_size": 4, "save_every": 100, "bf16": True})
     with caplog.at_level("WARNING", logger="sinv_prune"):
         train(tmp_path, tiny_model("llama").train(), random_blocks(), spec)
-    warned = [r.getMessage() for r in caplog.records if "finetune.bf16" in r.getMessage()]
-    assert bool(warned) != native and all("drop finetune.bf16" in m for m in warned)
+    warned = [r.getMessage() for r in caplog.records if "bf16 on a CPU" in r.getMessage()]
+    assert bool(warned) != native and all(m.startswith(f"{stage}.bf16") and f"drop {stage}.bf16" in m for m in warned)
 
 
 def test_a_curve_without_tasks_measures_perplexity_only(monkeypatch):

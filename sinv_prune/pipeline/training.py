@@ -17,7 +17,7 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
-from sinv_prune.pipeline.recipe import TrainSpec
+from sinv_prune.pipeline.recipe import FinetuneSpec, TrainSpec
 from sinv_prune.pipeline.step_budget import budget_steps, planned_steps, tokens_per_step  # noqa: F401
 from sinv_prune.progress import bar
 
@@ -126,9 +126,10 @@ def run_trainer(
     max_grad_norm = spec.max_grad_norm if spec.max_grad_norm is not None else (0.0 if spec.optimizer == "ecd" else 1.0)
     use_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
     if spec.bf16 and use_cpu and not cpu_has_bf16():
-        logger.warning("finetune.bf16 on a CPU without bfloat16 products (%s: no AMX, no AVX512-BF16): torch "
-                       "emulates them, slower than float32; drop finetune.bf16 here",
-                       torch.backends.cpu.get_cpu_capability())  # fmt: skip
+        key = "finetune.bf16" if isinstance(spec, FinetuneSpec) else "train.bf16"
+        capability = torch.backends.cpu.get_cpu_capability()
+        logger.warning("%s on a CPU without bfloat16 products (%s: no AMX, no AVX512-BF16): torch emulates them, "
+                       "slower than float32; drop %s here", key, capability, key)  # fmt: skip
     args = TrainingArguments(
         output_dir=str(output_dir),
         num_train_epochs=spec.epochs,
