@@ -72,9 +72,10 @@ def test_bf16_on_a_cpu_without_bf16_products_warns(tmp_path, monkeypatch, caplog
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    spec = finetune_spec(max_steps=1, distill=None, bf16=True)
     if stage == "train":  # the train stage's spec: the warning names the train section's key
         spec = TrainSpec.model_validate({"max_steps": 1, "batch_size": 4, "save_every": 100, "bf16": True})
+    else:
+        spec = finetune_spec(max_steps=1, distill=None, bf16=True)
     with caplog.at_level("WARNING", logger="sinv_prune"):
         train(tmp_path, tiny_model("llama").train(), random_blocks(), spec)
     warned = [r.getMessage() for r in caplog.records if "bf16 on a CPU" in r.getMessage()]
