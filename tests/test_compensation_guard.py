@@ -199,12 +199,16 @@ def test_bad_guard_arguments_raise(kwargs, message):
         sinv_prune.prune(model, {"mlp": {0: [1]}}, calibration=calibration(1), compensate="lsq", **kwargs)
 
 
-def test_recipe_compensate_schema_passes_obs_holdout_and_precision():
+def test_recipe_compensate_schema_passes_obs_holdout_precision_and_target():
     from sinv_prune.pipeline.recipe import CompensateSpec
 
-    spec = CompensateSpec(method="obs", holdout=0.25, precision="float64")
-    assert spec.prune_options() == {"compensate": "obs", "add_bias": False, "holdout": 0.25, "precision": "float64"}
+    spec = CompensateSpec(method="obs", holdout=0.25, precision="float64", target="residual")
+    assert spec.prune_options() == {"compensate": "obs", "add_bias": False, "holdout": 0.25, "precision": "float64",
+                                    "target": "residual"}  # fmt: skip
     assert CompensateSpec().batches == 64 and CompensateSpec().prune_options()["holdout"] == 0.125
+    assert CompensateSpec().prune_options()["target"] == "output"
+    with pytest.raises(ValueError, match="target"):
+        CompensateSpec(target="stream")
     with pytest.raises(ValueError, match="holdout"):
         CompensateSpec(holdout=0.6)
     with pytest.raises(ValueError, match="method"):

@@ -179,6 +179,12 @@ class HeadAdapter:
         """The routed-expert count of every mixture-of-experts layer, in order (empty for a dense model)."""
         return [n for n in (self.num_experts(i) for i in range(self.num_layers)) if n]
 
+    def residual_norm(self, layer: int, unit: str) -> nn.Module | None:
+        """The pre-norm whose input is the residual stream that ``layer``'s ``unit`` consumer output (``heads``:
+        the attention output projection, ``mlp``: the down projection) is added to, or None where the block is
+        not laid out so (post-norm blocks, norms after the sub-block, mixture-of-experts MLPs)."""
+        return None
+
     def slice_heads(self, layer: int, keep_q: torch.Tensor, keep_kv: torch.Tensor) -> None:
         """Physically keep only query heads ``keep_q`` and KV heads ``keep_kv``."""
         raise NotImplementedError

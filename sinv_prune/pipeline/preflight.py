@@ -37,6 +37,7 @@ def check_compensation(recipe: Recipe, adapter: HeadAdapter) -> None:
             compensation.check_options(
                 adapter.model, adapter, options["compensate"], [], options["ridge"], options["add_bias"],
                 options.get("precision", "float32"), options.get("holdout", compensation.HOLDOUT),
+                options.get("target", "output"),
             )  # fmt: skip
         except ValueError as err:
             raise RecipeError(f"prune.arms[{i}].compensate: {first_line(err)}") from None

@@ -495,8 +495,9 @@ class CompensateSpec(Strict):
     ``holdout`` of them are held out, so that a refit (and the compensated model as a whole) is
     kept only where it does better there than plain pruning. ``ridge`` (relative; omitted: picked
     per layer on the held-out tokens), ``add_bias`` (give bias-free LLaMA-family output
-    projections a bias to fit) and ``precision`` (of the statistics' products) go to
-    :func:`sinv_prune.prune`.
+    projections a bias to fit), ``precision`` (of the statistics' products) and ``target`` (``output``: each
+    refit reproduces the unpruned consumer's output; ``residual``: the unpruned residual stream after it,
+    making up for the error of the blocks before; pre-norm LLaMA-layout blocks) go to :func:`sinv_prune.prune`.
 
     .. code-block:: yaml
 
@@ -510,6 +511,7 @@ class CompensateSpec(Strict):
     add_bias: bool = False
     holdout: float = Field(0.125, ge=0, le=0.5)
     precision: Literal["float32", "float64"] = "float32"
+    target: Literal["output", "residual"] = "output"
 
     def prune_options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`sinv_prune.prune` this spec sets (calibration aside)."""
@@ -518,6 +520,7 @@ class CompensateSpec(Strict):
             "add_bias": self.add_bias,
             "holdout": self.holdout,
             "precision": self.precision,
+            "target": self.target,
         }
         if self.ridge is not None:
             options["ridge"] = self.ridge

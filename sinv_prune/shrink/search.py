@@ -178,7 +178,8 @@ def shrink(
     (on the host, one layer on the device at a time; ``scripts/check_statistics_dtype.py`` measures the
     difference).
     ``refine``: also build the chosen plan block by block (:func:`~sinv_prune.prune` with ``compensate="obs"``
-    on every calibration sequence, after the blocks are dropped) and keep it where its held-out perplexity
+    on every calibration sequence, after the blocks are dropped; ``target="residual"`` on pre-norm blocks, so
+    each refit also makes up for the error of the blocks before it) and keep it where its held-out perplexity
     is lower (``result.built`` says which; it costs a full compensation pass and a copy of the model).
     ``offload``: ``none``, ``cpu`` or ``disk`` (``offload_folder``), applied first
     (:func:`~sinv_prune.surgery.offload.apply_offload`; a model already under accelerate's hooks keeps them):
@@ -443,7 +444,8 @@ def widths(genome: Genome, space: Space, adapter) -> list[dict]:
 
 def _sequential_build(model: nn.Module, plan: dict, seqs: list[torch.Tensor]):
     """A copy of ``model`` cut by ``plan``: blocks (and experts) dropped first, then heads and channels by
-    sequential OBS compensation on ``seqs`` (its own held-out guard); the copy and the summary of the whole cut."""
+    sequential OBS compensation on ``seqs`` (its own held-out guard; each consumer fitted to the unpruned residual
+    stream after it where the blocks are pre-norm, ``target="residual"``); the copy and the summary of the cut."""
     other = copy.deepcopy(model)
     dropped = list(plan.get(LAYERS.name, []))
     first_plan = {k: plan[k] for k in (LAYERS.name, EXPERTS.name) if k in plan}  # nothing to refit: cut first
@@ -451,7 +453,9 @@ def _sequential_build(model: nn.Module, plan: dict, seqs: list[torch.Tensor]):
     shift = {layer: layer - sum(d < layer for d in dropped) for layer in range(get_adapter(model).num_layers)}
     rest = {u: {shift[layer]: v for layer, v in plan[u].items()} for u in (HEADS.name, MLP.name) if u in plan}
     batches = [{"input_ids": torch.stack(seqs[i : i + 4])} for i in range(0, len(seqs), 4)]
-    summary = prune(other, rest, calibration=batches, compensate="obs")
+    adapter = get_adapter(other)
+    residual = any(adapter.residual_norm(i, u) for i in range(adapter.num_layers) for u in (HEADS.name, MLP.name))
+    summary = prune(other, rest, calibration=batches, compensate="obs", target="residual" if residual else "output")
     if first is not None:
         summary.params_before = first.params_before
         summary.removed_layers, summary.removed_layers_original = first.removed_layers, first.removed_layers_original

@@ -12,6 +12,12 @@
   group for heads under GQA; which whole KV groups, where the plan empties whole groups only) is
   chosen first by greedy OBS on the student's inputs (:func:`~sinv_prune.surgery.obs.obs_select`);
   the plan and the record follow that choice.
+* ``target="residual"`` (with ``lsq`` / ``obs``): the consumer reproduces the teacher's residual stream after
+  it, not its own output: ``Y`` is the teacher's consumer output plus the teacher's residual stream less
+  the student's (the input of the pre-norm the output is added to:
+  :meth:`~sinv_prune.arch.base.HeadAdapter.residual_norm`), so the refit also cancels what the blocks before
+  it got wrong. ``"output"`` (default) fits each consumer to its own unpruned output, blind to the error
+  already in the stream.
 * ``"bias"`` (FLAP): the removed units' mean contribution on the unpruned model,
   ``W[:, removed] @ mean(X_removed)``, is added to the consumer's bias.
 
@@ -58,6 +64,8 @@ __all__ = ["METHODS", "RIDGES", "CompensationReport", "Cut", "LayerFit", "captur
 
 METHODS = ("bias", "lsq", "obs")
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
+#: What a refitted consumer reproduces: the unpruned consumer's output, or the unpruned residual stream after it.
+TARGETS = ("output", "residual")
 #: Relative ridges a consumer may take when none is given; the held-out tokens pick one (or none) by a walk.
 RIDGES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 
@@ -114,6 +122,7 @@ class CompensationReport:
     heldout_loss: dict[str, float] = field(default_factory=dict)
     kept: str = "compensated"
     precision: str = "float32"
+    target: str = "output"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "us_per_token": self.us_per_token}
@@ -160,8 +169,17 @@ def check_options(
     add_bias: bool,
     precision: str = "float32",
     holdout: float = HOLDOUT,
+    target: str = "output",
 ) -> None:
     """Refuse bad compensation arguments with one ``ValueError``, before anything changes."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown compensation target {target!r}: choose one of {', '.join(TARGETS)}")
+    if target == "residual" and method not in ("lsq", "obs"):
+        raise ValueError(f"target='residual' needs compensate='lsq' or 'obs' (a least-squares refit), got {method!r}")
+    if target == "residual" and not any(adapter.residual_norm(i, u) for i in range(adapter.num_layers)
+                                        for u in ("heads", "mlp")):  # fmt: skip
+        raise ValueError(f"target='residual' needs pre-norm blocks (the LLaMA layout); {model.config.model_type} "
+                         "has none: use target='output'")  # fmt: skip
     if method is None:
         if calibration is not None or add_bias:
             used = "calibration batches are" if calibration is not None else "add_bias is"
@@ -243,6 +261,7 @@ def compensate(
     precision: str = "float32",
     store: Store | None = None,
     after_block: Callable[[], None] | None = None,
+    target: str = "output",
 ) -> CompensationReport:
     """Apply every cut block by block, refitting each consumer on the student stream (see the module doc).
 
@@ -252,32 +271,34 @@ def compensate(
     """
     if store is None:
         with Store("cpu") as own:
-            return compensate(model, adapter, cuts, inputs, method, ridge, precision, own, after_block)
+            return compensate(model, adapter, cuts, inputs, method, ridge, precision, own, after_block, target)
     start = time.perf_counter()
     tokens = sum(i.tokens for i in inputs)
     held = sum(int(i.heldout.sum()) for i in inputs if i.heldout is not None)
     report = CompensationReport(method, "auto" if ridge is None else float(ridge), len(inputs), int(tokens))
-    report.heldout_tokens, report.precision = held, precision
+    report.heldout_tokens, report.precision, report.target = held, precision, target
     if not cuts:
         return report
     heldout = HeldOutLoss(model, adapter, inputs) if held else None
     blocks, last, undo = adapter.layers(), max(cuts), []
     options = _Options(method, ridge, PRECISIONS[precision], held > 0)
-    teacher, student = [i.hidden for i in inputs], None
+    teacher, student, residual = [i.hidden for i in inputs], None, target == "residual"
     with torch.no_grad(), Turns() as turn:
         for index in range(last + 1):
             block, layer_cuts = blocks[index], cuts.get(index, [])
             turn(block)  # an offloaded block's weights come in for its turn; what changed goes back after
             targets = None
             if layer_cuts:
-                targets, advanced = _teacher_pass(index, block, layer_cuts, teacher, inputs, method, index < last)
+                norms = [adapter.residual_norm(index, c.unit) if residual else None for c in layer_cuts]
+                advance = index < last
+                targets, advanced = _teacher_pass(index, block, layer_cuts, teacher, inputs, method, advance, norms)
             else:
                 advanced = [i.run(block, index, h) for h, i in zip(teacher, inputs, strict=True)]
             if student is None and layer_cuts:
                 student = teacher  # identical up to the first cut
             teacher = advanced
-            for cut, target in zip(layer_cuts, targets or [], strict=False):
-                fit, plain = _fit(index, block, cut, target, student, inputs, options)
+            for cut, recorded in zip(layer_cuts, targets or [], strict=False):
+                fit, plain = _fit(index, block, cut, recorded, student, inputs, options)
                 report.layers.append(fit)
                 if plain is not None and heldout:
                     key = ("plain", index, len(undo))
@@ -339,19 +360,30 @@ class _Target:
     """The teacher's consumer outputs per batch (valid tokens only) and the sum of its removed inputs."""
 
     outputs: list[torch.Tensor] = field(default_factory=list)
+    #: the pre-norm whose input is the residual stream the consumer's output is added to (None: plain targets)
+    norm: nn.Module | None = None
     removed_sum: torch.Tensor | None = None
     count: int = 0
 
 
-def _teacher_pass(index, block, cuts, teacher, inputs, method, advance):
-    """Run the unpruned block on the teacher stream, recording each consumer's output; the advanced stream."""
-    targets = [_Target() for _ in cuts]
+def _teacher_pass(index, block, cuts, teacher, inputs, method, advance, norms):
+    """Run the unpruned block on the teacher stream, recording each consumer's output (plus, where ``norms`` names
+    the cut's residual norm, the residual stream it is added to); the advanced stream."""
+    targets = [_Target(norm=norm) for norm in norms]
     current: list[BlockInput] = []
+    bases: dict[int, torch.Tensor] = {}  # per target the teacher's residual stream at its consumer, this batch
 
-    def recorder(cut: Cut, target: _Target, stop: bool):
+    def base(n: int):
+        def hook(module, args):
+            bases[n] = rows(args[0], current[0].valid)
+
+        return hook
+
+    def recorder(cut: Cut, target: _Target, stop: bool, n: int):
         def hook(module, args, output):
             inp = current[0]
-            target.outputs.append(rows(output, inp.valid))
+            out = rows(output, inp.valid)
+            target.outputs.append(out + bases.pop(n) if target.norm is not None else out)
             if method == "bias":
                 x = rows(args[0], inp.valid)
                 if inp.heldout is not None:
@@ -364,9 +396,10 @@ def _teacher_pass(index, block, cuts, teacher, inputs, method, advance):
         return hook
 
     hooks = [
-        cut.consumer.register_forward_hook(recorder(cut, target, not advance and n == len(cuts) - 1))
+        cut.consumer.register_forward_hook(recorder(cut, target, not advance and n == len(cuts) - 1, n))
         for n, (cut, target) in enumerate(zip(cuts, targets, strict=True))
     ]
+    hooks += [t.norm.register_forward_pre_hook(base(n)) for n, t in enumerate(targets) if t.norm is not None]
     advanced = []
     try:
         for hidden, inp in zip(teacher, inputs, strict=True):
@@ -416,7 +449,9 @@ def _statistics(index, block, cut, target, student, inputs, product_dtype, bias)
     width, out, device = weight.shape[1], target.outputs[0].shape[1], weight.device
     fit, held = (ConsumerFit(width, out, bias=bias, device=device, product_dtype=product_dtype) for _ in range(2))
     for hidden, inp, y in zip(student, inputs, target.outputs, strict=True):
-        x = _consumer_input(index, block, cut.consumer, hidden, inp, y.shape[0])
+        x, base = _consumer_input(index, block, cut.consumer, hidden, inp, y.shape[0], target.norm)
+        if base is not None:  # the teacher's residual stream less the student's: the consumer makes up the gap
+            y = y - base
         if inp.heldout is None:
             fit.update(x, y)
         else:
@@ -481,22 +516,27 @@ def walk_ridges(solve, held: ConsumerFit | None, plain: tuple, tokens: int, ridg
     return None, plain, plain_error, plain_error
 
 
-def _consumer_input(index, block, consumer, hidden, inp: BlockInput, count: int) -> torch.Tensor:
-    """The consumer's input rows for one batch; the block stops there. Zero columns if it is never called."""
-    seen = []
+def _consumer_input(index, block, consumer, hidden, inp: BlockInput, count: int, norm: nn.Module | None = None):
+    """``(input rows, residual rows)``: the consumer's input rows for one batch (the block stops there; zero
+    columns if it is never called) and, with ``norm``, that norm's input rows (else None)."""
+    seen, base = [], []
 
     def catch(module, args):
         seen.append(args[0])
         raise Stop
 
-    handle = consumer.register_forward_pre_hook(catch)
+    handles = [consumer.register_forward_pre_hook(catch)]
+    if norm is not None:
+        handles.append(norm.register_forward_pre_hook(lambda module, args: base.append(rows(args[0], inp.valid))))
     try:
         with contextlib.suppress(Stop):
             inp.run(block, index, hidden)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     # GPT-2's empty attention (every head removed) returns the bias without calling c_proj.
-    return rows(seen[0], inp.valid) if seen else hidden.new_zeros(count, 0)
+    x = rows(seen[0], inp.valid) if seen else hidden.new_zeros(count, 0)
+    return x, (base[0] if base else None)
 
 
 def run_compensation(
@@ -510,10 +550,11 @@ def run_compensation(
     precision: str = "float32",
     store: Store | None = None,
     after_block: Callable[[], None] | None = None,
+    target: str = "output",
 ) -> CompensationReport:
     """Add biases when asked, then :func:`compensate` in eval mode without gradients (modes restored)."""
     added = add_attention_biases(model, adapter) if add_bias else False
     with preserve_modes(model):
-        report = compensate(model, adapter, cuts, inputs, method, ridge, precision, store, after_block)
+        report = compensate(model, adapter, cuts, inputs, method, ridge, precision, store, after_block, target)
     report.bias_added = added
     return report

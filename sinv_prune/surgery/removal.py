@@ -188,6 +188,7 @@ def prune(
     store: str = "cpu",
     offload: str = "none",
     offload_folder: str | None = None,
+    target: str = "output",
 ) -> PruneSummary:
     """Remove attention heads, MLP channels and whole blocks from ``model`` in place, through one plan.
 
@@ -235,7 +236,12 @@ def prune(
     fits on everything with ``compensation.default_ridge(tokens)``. ``compensate="obs"`` first
     re-chooses which units each layer loses (as many as planned; heads within each KV group, or which
     whole KV groups where the plan empties whole groups) by greedy OBS, then refits as ``"lsq"``;
-    the summary and record give the units really removed.
+    the summary and record give the units really removed. ``target="residual"`` (``"lsq"`` and ``"obs"``,
+    pre-norm blocks of the LLaMA layout) fits each consumer to the unpruned model's residual stream after it
+    instead of the unpruned consumer's output: the teacher's output plus the teacher's residual less the
+    student's, so each refit also makes up for the error the blocks before it left (its block then reproduces
+    the unpruned block's output as closely as least squares can); consumers with no such norm (MoE MLPs) keep
+    the output target.
     ``precision`` is the dtype of the statistics' products (float32, summed in float64; or
     float64). ``compensate="bias"``
     (FLAP) adds the removed units' mean contribution on the unpruned model to the consumer's
@@ -269,7 +275,7 @@ def prune(
     refusal = unprunable_reason(model, adapter)
     if refusal:
         raise ValueError(f"cannot prune this model: {refusal}")
-    compensation.check_options(model, adapter, compensate, calibration, ridge, add_bias, precision, holdout)
+    compensation.check_options(model, adapter, compensate, calibration, ridge, add_bias, precision, holdout, target)
     checked = plan_prune(model, adapter, plan, allow_empty_layers=allow_empty_layers)
     for unit, entry in checked.per_layer():
         unit.check_compensation(model, adapter, entry, compensate)
@@ -283,7 +289,7 @@ def prune(
     snapshot = _Snapshot.take(model, adapter, checked, held, all_attention=bool(add_bias and compensate))
     ledger = Ledger()  # writes to offloaded blocks' weight maps, undone with the snapshot
     try:
-        options = (compensate, ridge, add_bias, precision)
+        options = (compensate, ridge, add_bias, precision, target)
         with ledger.active():
             changes, report = _cut(model, adapter, record, checked, inputs, options, snapshot)
         origin = record.kept_layers()
@@ -312,11 +318,11 @@ def _cut(model, adapter, record, plan: _Plan, inputs, options, snapshot: _Snapsh
     """Slice every per-layer unit's entry (compensating when asked), updating ``record``; the changes
     per summary field and the compensation report.
 
-    ``options`` is ``(compensate, ridge, add_bias, precision)``. OBS may change which units go, so
+    ``options`` is ``(compensate, ridge, add_bias, precision, target)``. OBS may change which units go, so
     the record and the changes are written from the plan after compensation. After each block is cut,
     the old weights the rollback keeps of it move into its store (:meth:`_Snapshot.spill`).
     """
-    compensate, ridge, add_bias, precision = options
+    compensate, ridge, add_bias, precision, target = options
     report = None
     entries = plan.per_layer()
     if compensate:
@@ -333,7 +339,7 @@ def _cut(model, adapter, record, plan: _Plan, inputs, options, snapshot: _Snapsh
                 cuts.setdefault(layer, []).extend(cut)
         report = compensation.run_compensation(
             model, adapter, dict(sorted(cuts.items())), inputs, compensate, ridge, add_bias, precision,
-            snapshot.store, snapshot.spill,
+            snapshot.store, snapshot.spill, target,
         )  # fmt: skip
     else:
         blocks = adapter.layers()
