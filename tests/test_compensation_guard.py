@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import get_args
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from test_compensation import calibration, make_redundant
 import sinv_prune
 from sinv_prune.arch import get_adapter
 from sinv_prune.surgery.block_inputs import capture_block_inputs, mark_heldout
-from sinv_prune.surgery.compensation import RIDGES, default_ridge
+from sinv_prune.surgery.compensation import RIDGES, TARGETS, default_ridge
 from sinv_prune.surgery.refit import ConsumerFit
 
 # -- models mixing sliding-window and full attention ---------------------------------------------------
@@ -207,6 +208,7 @@ def test_recipe_compensate_schema_passes_obs_holdout_precision_and_target():
                                     "target": "residual"}  # fmt: skip
     assert CompensateSpec().batches == 64 and CompensateSpec().prune_options()["holdout"] == 0.125
     assert CompensateSpec().prune_options()["target"] == "output"
+    assert get_args(CompensateSpec.model_fields["target"].annotation) == TARGETS
     with pytest.raises(ValueError, match="target"):
         CompensateSpec(target="stream")
     with pytest.raises(ValueError, match="holdout"):

@@ -117,4 +117,3 @@ def test_a_residual_target_that_cannot_apply_is_refused_before_anything_changes(
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         sinv_prune.prune(model, {"heads": {0: [1]}}, **options)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-

@@ -103,6 +103,8 @@ def test_a_compensated_arm_reloads_with_its_evaluated_perplexity(recovery_run):
         ({"criterion": "magnitude", "amount": 2, "compensate": {"method": "lsq", "batches": 0}},
          "prune.arms[0].compensate.batches"),
         ({"criterion": "magnitude", "amount": 2, "rounds": 0}, "prune.arms[0].rounds"),
+        ({"criterion": "magnitude", "amount": 2, "compensate": {"method": "lsq", "target": "residual"}},
+         "prune.arms[0].compensate: target='residual' needs pre-norm blocks (the LLaMA layout); gpt2 has none"),
     ],
 )  # fmt: skip
 def test_bad_recovery_arms_exit_2_before_any_work(tmp_path, arm, message):
