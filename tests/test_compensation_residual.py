@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from conftest import model_output, tiny_model
+import transformers
+from conftest import VOCAB, model_output, tiny_model
 from test_compensation import calibration
 
 import sinv_prune
@@ -117,3 +118,29 @@ def test_a_residual_target_that_cannot_apply_is_refused_before_anything_changes(
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         sinv_prune.prune(model, {"heads": {0: [1]}}, **options)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_moe_model_mixing_dense_layers_takes_the_residual_target_where_it_applies():
+    # Qwen3-MoE, layer 1 dense between MoE layers: every layer's attention and the dense MLP refit to the stream
+    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, num_hidden_layers=3, hidden_size=32, head_dim=8,
+                                         num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=24,
+                                         mlp_only_layers=[1], bos_token_id=0, eos_token_id=0)  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    reference, batches = transformers.Qwen3MoeForCausalLM(config).eval(), calibration()
+    adapter = get_adapter(reference)
+    norms = [adapter.residual_norm(i, u) for i in range(3) for u in ("heads", "mlp")]
+    assert [n is not None for n in norms] == [True, False, True, True, True, False]
+    plan = {"heads": {0: [1, 3], 1: [0, 2], 2: [0, 3]}, "mlp": {1: list(range(0, 24, 3))}}
+    pruned = {}
+    for target in ("output", "residual"):
+        pruned[target] = copy.deepcopy(reference)
+        summary = sinv_prune.prune(pruned[target], copy.deepcopy(plan), calibration=batches, compensate="obs",
+                                   ridge=RIDGE, holdout=0, target=target)  # fmt: skip
+        assert len(summary.compensation.layers) == 4 and summary.compensation.target == target
+    weights = {t: [get_adapter(m).out_proj(i).weight for i in range(3)] for t, m in pruned.items()}
+    torch.testing.assert_close(weights["residual"][0], weights["output"][0])  # nothing before the first cut
+    assert not torch.allclose(weights["residual"][2], weights["output"][2])  # the stream's error taken up
+    errors = {t: _block_error(m, reference, batches, 2) for t, m in pruned.items()}
+    assert errors["residual"] < errors["output"], errors
