@@ -524,7 +524,7 @@ def prune(
 
 
 def _memory_check(source: str, gguf_file: str | None, task: str, *, dry_run: bool, sequences: int = 0,
-                  length: int = 0, device: str = "cpu", offload: str = "none") -> None:  # fmt: skip
+                  length: int = 0, device: str = "cpu", offload: str = "none", **options) -> None:  # fmt: skip
     """Predict the run's peak memory from SOURCE's config (no weight read) and refuse, exit 2 with one line
     naming the option that would fit, a run the device (here the CPU: the host's available memory) cannot
     hold; with ``dry_run`` also print the prediction. ``SINV_PRUNE_NO_MEMORY_CHECK=1`` skips the refusal
@@ -540,7 +540,7 @@ def _memory_check(source: str, gguf_file: str | None, task: str, *, dry_run: boo
             raise UsageError(f"{source}: cannot read its config ({_one_line(err)})") from None
         return  # the load itself says what is wrong
     lines, refused = dry_run_check(shape, task, device, sequences=sequences, length=length, offload=offload,
-                                   offload_option="--offload {}")  # fmt: skip
+                                   offload_option="--offload {}", **options)  # fmt: skip
     if dry_run:
         click.echo(f"{source}: {shape.layers} layers, {gib(shape.model_bytes)} of weights")
         for line in lines:
@@ -587,6 +587,12 @@ def parse_size(text: str) -> int:
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the search (same seed, same plan).")
 @click.option("--statistics-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float64"]),
               help="Dtype the per-layer calibration statistics are kept in (on the host).")  # fmt: skip
+@click.option(
+    "--refine",
+    is_flag=True,
+    help="Also build the plan block by block (OBS, each refit to the unpruned residual stream) and keep it where "
+    "held-out perplexity is lower; a copy of the model.",
+)
 @click.option("--gguf", "gguf_type", default=None, type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m",
               "q5_k_m", "q6_k"]), help="Also write OUTPUT/model.gguf of this type (checked in llama.cpp).")  # fmt: skip
 @click.option("--gguf-file", default=None, help="Load SOURCE/GGUF_FILE (a GGUF checkpoint).")
@@ -596,7 +602,7 @@ def parse_size(text: str) -> int:
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="Print the predicted peak memory (from the config alone); run nothing.")
 def shrink(source, output, params, to, calibration, sequences, length, stock, units, budget, time_limit, seed,
-           statistics_dtype, gguf_type, gguf_file, tokenizer_path, quiet, offload, offload_folder, overwrite,
+           statistics_dtype, refine, gguf_type, gguf_file, tokenizer_path, quiet, offload, offload_folder, overwrite,
            dry_run):  # fmt: skip
     """Remove --params of SOURCE's non-embedding parameters (or shrink it --to a size) by a joint search over
     whole layers, query heads / KV groups and MLP channels; save the result to OUTPUT with shrink.json.
@@ -613,7 +619,10 @@ def shrink(source, output, params, to, calibration, sequences, length, stock, un
         raise UsageError(f"{output} exists; pass --overwrite to replace it")
     size = parse_size(to) if to is not None else None
     source = _model_source(source, gguf_file)
-    _memory_check(source, gguf_file, "shrink", dry_run=dry_run, sequences=sequences, length=length, offload=offload)
+    if refine and offload != "none":
+        raise UsageError("--refine builds a copy of the model; it cannot run with --offload (use --offload none)")
+    _memory_check(source, gguf_file, "shrink", dry_run=dry_run, sequences=sequences, length=length, offload=offload,
+                  refine=refine)  # fmt: skip
     if dry_run:
         return
     chosen = None if units is None else tuple(u.strip() for u in units.split(",") if u.strip())
@@ -622,7 +631,7 @@ def shrink(source, output, params, to, calibration, sequences, length, stock, un
             result = run_shrink(
                 source, output, params=params, to=size, calibration=calibration, sequences=sequences, length=length,
                 stock=stock, units=chosen, budget=budget,
-                time_limit=time_limit, seed=seed, statistics_dtype=statistics_dtype, gguf_type=gguf_type,
+                time_limit=time_limit, seed=seed, statistics_dtype=statistics_dtype, refine=refine, gguf_type=gguf_type,
                 gguf_file=gguf_file, tokenizer_path=tokenizer_path, quiet=quiet, overwrite=overwrite,
                 save=_save_atomically, offload=offload, offload_folder=folder,
             )  # fmt: skip

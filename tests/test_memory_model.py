@@ -52,6 +52,17 @@ def test_the_whole_model_statistics_term_is_the_bytes_statistics_allocates():
     assert lw.host_terms["statistics"] == allocated // 2
 
 
+def test_refine_adds_a_copy_of_the_model_and_its_refusal_offers_no_offload():
+    model = tiny_llama()
+    shape = memory_model.shape_of(model.config, type(model), "float32")
+    plain, refined = (memory_model.predict(shape, "shrink", sequences=64, length=512, refine=r) for r in (False, True))
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # the copy's tensors
+    hidden = 3 * 64 * 512 * model.config.hidden_size * 4  # teacher, student and advanced streams, float32
+    assert refined.host_peak - plain.host_peak == weights + hidden
+    line = memory_model.refusal(shape, "shrink", None, refined.host_peak - 1, sequences=64, length=512, refine=True)
+    assert line and "--offload" not in line and "--sequences 32 or fewer" in line
+
+
 def test_offload_moves_the_model_off_the_device_and_the_refusal_names_what_fits():
     shape = memory_model.shape_of(tiny_llama(num_hidden_layers=8).config, transformers.LlamaForCausalLM, "float32")
     opts = dict(sequences=8, length=32, device="cuda")

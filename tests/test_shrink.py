@@ -297,6 +297,11 @@ def test_cli_shrinks_from_text_and_refuses_bad_input(tmp_path, monkeypatch):
     assert "share of the cut" in done.output
     assert (out / "shrink.json").is_file() and (out / "tokenizer.json").is_file()
     assert json.loads((out / "shrink.json").read_text())["settings"]["statistics_dtype"] == "float64"
+    refined = CliRunner().invoke(main, [*args, "--refine", "--overwrite"])
+    assert refined.exit_code == 0, refined.output
+    assert "sequential" in json.loads((out / "shrink.json").read_text())["heldout_ppl"]
+    offloaded = CliRunner().invoke(main, [*args, "--refine", "--offload", "cpu", "--overwrite"])
+    assert offloaded.exit_code == 2 and "--refine builds a copy of the model" in offloaded.output
     assert sinv_prune.from_pretrained(out).num_parameters() < tiny_llama().num_parameters()
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 2 and "--overwrite" in again.output

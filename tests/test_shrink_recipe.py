@@ -29,6 +29,18 @@ def test_an_auto_arm_runs_end_to_end(tmp_path):
     assert arm["pruned"]["params"] == base - shrink["removed"]
     assert shrink["evaluations"] <= 4 and shrink["seeds"]
     assert arm["criterion"] == "shrink"
+    assert "sequential" not in shrink["heldout_ppl"]  # refine is asked for
+
+
+def test_an_auto_arm_with_refine_also_builds_the_plan_block_by_block(tmp_path):
+    data = {**AUTO, "prune": {"arms": [{"auto": {"params": 0.2, "budget": 4, "batches": 8, "refine": True}}]}}
+    result = invoke(recipe_file(tmp_path, data), "--output", tmp_path / "out", "--quiet")
+    assert result.exit_code == 0, result.output
+    shrink = json.loads((tmp_path / "out" / "results.json").read_text())["arms"][0]["shrink"]
+    assert "sequential" in shrink["heldout_ppl"] and shrink["built"] in ("per-layer refit", "sequential OBS refit")
+    kept = "sequential" if shrink["built"] == "sequential OBS refit" else shrink["chosen"]
+    ppl = shrink["heldout_ppl"]
+    assert ppl[kept] == min(ppl["sequential"], ppl[shrink["chosen"]])
 
 
 @pytest.mark.parametrize(

@@ -665,7 +665,7 @@ def prune_memory(recipe: Recipe, device: str):
         if arm.control:
             continue
         if arm.auto is not None:
-            task, options, flag = "shrink", {"sequences": arm.auto.batches}, "auto.batches"
+            task, options, flag = "shrink", {"sequences": arm.auto.batches, "refine": arm.auto.refine}, "auto.batches"
         elif arm.compensate is not None:
             c = arm.compensate
             task, options, flag = (

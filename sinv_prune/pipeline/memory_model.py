@@ -218,13 +218,16 @@ def predict(
     layerwise: bool = True,
     kept_share: float = 1.0,
     store: str | None = None,
+    refine: bool = False,
 ) -> Prediction:
     """Peak device and host memory of ``task`` (:data:`TASKS`: ``shrink``; ``compensate``, OBS / lsq refits at
     prune time; ``criterion``, a calibration-reading criterion; ``plain``, a removal without calibration) on
     ``shape`` with ``sequences`` x ``length`` calibration tokens, batches of ``batch`` sequences (shrink: 4).
     ``fitness_tokens``: shrink's fitness batch (sequences x tokens); ``kept_share``: of the blocks' weights the cut
     keeps, where known (1: the upper bound). ``store``: shrink's (default ``"disk"`` with ``offload="disk"``,
-    else ``"cpu"``); on disk, its statistics, refits and rollback copies are files, one at a time in memory."""
+    else ``"cpu"``); on disk, its statistics, refits and rollback copies are files, one at a time in memory.
+    ``refine``: shrink's sequential build besides (a copy of the model and the compensation's three hidden
+    streams; no offload)."""
     if task not in TASKS:
         raise ValueError(f"task {task!r}: one of {', '.join(TASKS)}")
     if offload not in OFFLOADS:
@@ -298,6 +301,9 @@ def predict(
     device_terms["activations"] = activations + logits
     device_terms["solve"] = solve
     device_terms["weights kept"] = kept
+    if task == "shrink" and refine:
+        device_terms["refine: a copy of the model"] = shape.model_bytes
+        device_terms["refine: hidden states"] = 3 * tokens * h * a
     (device_terms if offload == "none" else host_terms)["removal"] = removal
     on_cpu = not str(device).startswith("cuda")
     if on_cpu:  # one memory
@@ -368,7 +374,8 @@ def refusal(shape: Shape, task: str, device_free: int | None, host_free: int | N
     )
     head = f"predicted peak memory {gib(peak)} on {where}, {gib(free or 0)} free"
     offload = options.get("offload", "none")
-    tries = [o for o in OFFLOADS if OFFLOADS.index(o) > OFFLOADS.index(offload)] if offload_option else []
+    can_offload = offload_option and not options.get("refine")  # shrink's refine copies the model: no offload
+    tries = [o for o in OFFLOADS if OFFLOADS.index(o) > OFFLOADS.index(offload)] if can_offload else []
     for other in tries:
         alt = predict(shape, task, **{**options, "offload": other})
         if fits(alt, device_free, host_free):

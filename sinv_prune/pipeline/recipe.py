@@ -665,7 +665,8 @@ class AutoSpec(Strict):
     dense layers and ``experts`` on mixture-of-experts layers always among them), ``stock`` shapes
     only if asked; ``batches`` calibration sequences of ``data.seq_len`` tokens from the scoring split,
     ``budget`` plans evaluated, ``seed``, ``time_limit`` seconds, ``multiple`` channels a step, ``min_mlp``
-    of each layer's channels kept."""
+    of each layer's channels kept; ``refine``: also the sequential build (OBS, residual target) kept where its
+    held-out perplexity is lower (a copy of the model)."""
 
     params: float | None = Field(None, gt=0, lt=1)
     to: int | None = Field(None, gt=0)
@@ -677,6 +678,7 @@ class AutoSpec(Strict):
     multiple: int = Field(8, gt=0)
     min_mlp: float = Field(0.25, gt=0, lt=1)
     seed: int = 0
+    refine: bool = False
 
     @model_validator(mode="after")
     def _one_size(self):
@@ -689,7 +691,7 @@ class AutoSpec(Strict):
         return {"params": self.params, "to": self.to, "stock": self.stock,
                 "units": None if self.units is None else tuple(self.units),
                 "budget": self.budget, "time_limit": self.time_limit, "multiple": self.multiple,
-                "min_mlp": self.min_mlp, "seed": self.seed}  # fmt: skip
+                "min_mlp": self.min_mlp, "seed": self.seed, "refine": self.refine}  # fmt: skip
 
     @property
     def label(self) -> str:
