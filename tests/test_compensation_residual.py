@@ -25,7 +25,8 @@ def _consumer(adapter, layer: int, unit: str):
 def _capture(model, layer: int, unit: str, batches) -> dict[str, torch.Tensor]:
     """The consumer's input and output rows and its residual norm's input rows over ``batches`` (float64)."""
     adapter = get_adapter(model)
-    consumer, norm = _consumer(adapter, layer, unit), adapter.residual_norm(layer, unit)
+    consumer = _consumer(adapter, layer, unit)
+    norm = adapter.attention_residual_norm(layer) if unit == "heads" else adapter.mlp_residual_norm(layer)
     seen: dict[str, list] = {"x": [], "y": [], "base": []}
 
     def flat(t):
@@ -130,7 +131,7 @@ def test_a_moe_model_mixing_dense_layers_takes_the_residual_target_where_it_appl
     torch.manual_seed(0)
     reference, batches = transformers.Qwen3MoeForCausalLM(config).eval(), calibration()
     adapter = get_adapter(reference)
-    norms = [adapter.residual_norm(i, u) for i in range(3) for u in ("heads", "mlp")]
+    norms = [f(i) for i in range(3) for f in (adapter.attention_residual_norm, adapter.mlp_residual_norm)]
     assert [n is not None for n in norms] == [True, False, True, True, True, False]
     plan = {"heads": {0: [1, 3], 1: [0, 2], 2: [0, 3]}, "mlp": {1: list(range(0, 24, 3))}}
     pruned = {}

@@ -365,5 +365,6 @@ def test_arm_pruner_maps_every_part_onto_the_pruner(monkeypatch):
         "unit": "mlp", "amount": 0.5, "mode": "global", "seed": 3, "multiple": 8}  # fmt: skip
     assert second["criterion"] is channels and channels.units == ("mlp",) and "min_per_layer" not in second
     assert (made["rounds"], made["compensate"]) == (1, "lsq")
-    assert made["compensation_options"] == {"add_bias": False, "ridge": 0.1, "holdout": 0.125, "precision": "float32"}
+    assert made["compensation_options"] == {"add_bias": False, "ridge": 0.1, "holdout": 0.125, "precision": "float32",
+                                            "target": "output"}  # fmt: skip
     assert stored.compute(None) == [[1.0, 2.0]] and stored.report() == {"note": 1}

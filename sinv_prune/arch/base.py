@@ -179,11 +179,18 @@ class HeadAdapter:
         """The routed-expert count of every mixture-of-experts layer, in order (empty for a dense model)."""
         return [n for n in (self.num_experts(i) for i in range(self.num_layers)) if n]
 
-    def residual_norm(self, layer: int, unit: str) -> nn.Module | None:
-        """The pre-norm whose input is the residual stream that ``layer``'s ``unit`` consumer output (``heads``:
-        the attention output projection, ``mlp``: the down projection) is added to, or None where the block is
-        not laid out so (post-norm blocks, norms after the sub-block, mixture-of-experts MLPs)."""
+    def attention_residual_norm(self, layer: int) -> nn.Module | None:
+        """The pre-norm whose input is the residual stream ``layer``'s attention output is added to, or None
+        where the block is not laid out so (post-norm blocks, a norm between the sub-block and the addition)."""
         return None
+
+    def mlp_residual_norm(self, layer: int) -> nn.Module | None:
+        """As :meth:`attention_residual_norm`, for the MLP's output (None on mixture-of-experts layers too)."""
+        return None
+
+    def residual_norms(self) -> bool:
+        """Whether any block has a residual norm (``target="residual"`` compensation applies somewhere)."""
+        return any(self.attention_residual_norm(i) or self.mlp_residual_norm(i) for i in range(self.num_layers))
 
     def slice_heads(self, layer: int, keep_q: torch.Tensor, keep_kv: torch.Tensor) -> None:
         """Physically keep only query heads ``keep_q`` and KV heads ``keep_kv``."""

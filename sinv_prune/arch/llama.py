@@ -55,13 +55,14 @@ class LlamaAdapter(HeadAdapter):
     def mlp_out(self, layer):
         return self.base.layers[layer].mlp.down_proj
 
-    def residual_norm(self, layer, unit):
+    def attention_residual_norm(self, layer):
         block = self.base.layers[layer]
-        if hasattr(block, "post_feedforward_layernorm"):  # a norm between the sub-block and the addition
-            return None
-        if unit == "heads":
-            return block.input_layernorm
-        return block.post_attention_layernorm if unit == "mlp" and not self.num_experts(layer) else None
+        return None if hasattr(block, "post_feedforward_layernorm") else block.input_layernorm
+
+    def mlp_residual_norm(self, layer):
+        block = self.base.layers[layer]
+        plain = not hasattr(block, "post_feedforward_layernorm") and not self.num_experts(layer)
+        return block.post_attention_layernorm if plain else None
 
     def slice_heads(self, layer, keep_q, keep_kv):
         attn = self.attention(layer)

@@ -453,9 +453,8 @@ def _sequential_build(model: nn.Module, plan: dict, seqs: list[torch.Tensor]):
     shift = {layer: layer - sum(d < layer for d in dropped) for layer in range(get_adapter(model).num_layers)}
     rest = {u: {shift[layer]: v for layer, v in plan[u].items()} for u in (HEADS.name, MLP.name) if u in plan}
     batches = [{"input_ids": torch.stack(seqs[i : i + 4])} for i in range(0, len(seqs), 4)]
-    adapter = get_adapter(other)
-    residual = any(adapter.residual_norm(i, u) for i in range(adapter.num_layers) for u in (HEADS.name, MLP.name))
-    summary = prune(other, rest, calibration=batches, compensate="obs", target="residual" if residual else "output")
+    target = "residual" if get_adapter(other).residual_norms() else "output"
+    summary = prune(other, rest, calibration=batches, compensate="obs", target=target)
     if first is not None:
         summary.params_before = first.params_before
         summary.removed_layers, summary.removed_layers_original = first.removed_layers, first.removed_layers_original

@@ -14,10 +14,10 @@
   the plan and the record follow that choice.
 * ``target="residual"`` (with ``lsq`` / ``obs``): the consumer reproduces the teacher's residual stream after
   it, not its own output: ``Y`` is the teacher's consumer output plus the teacher's residual stream less
-  the student's (the input of the pre-norm the output is added to:
-  :meth:`~sinv_prune.arch.base.HeadAdapter.residual_norm`), so the refit also cancels what the blocks before
-  it got wrong. ``"output"`` (default) fits each consumer to its own unpruned output, blind to the error
-  already in the stream.
+  the student's (the input of the pre-norm the output is added to, the cut's ``residual``:
+  :meth:`~sinv_prune.arch.base.HeadAdapter.attention_residual_norm` / ``mlp_residual_norm``), so the refit
+  also cancels what the blocks before it got wrong. ``"output"`` (default) fits each consumer to its own
+  unpruned output, blind to the error already in the stream.
 * ``"bias"`` (FLAP): the removed units' mean contribution on the unpruned model,
   ``W[:, removed] @ mean(X_removed)``, is added to the consumer's bias.
 
@@ -176,8 +176,7 @@ def check_options(
         raise ValueError(f"unknown compensation target {target!r}: choose one of {', '.join(TARGETS)}")
     if target == "residual" and method not in ("lsq", "obs"):
         raise ValueError(f"target='residual' needs compensate='lsq' or 'obs' (a least-squares refit), got {method!r}")
-    if target == "residual" and not any(adapter.residual_norm(i, u) for i in range(adapter.num_layers)
-                                        for u in ("heads", "mlp")):  # fmt: skip
+    if target == "residual" and not adapter.residual_norms():
         raise ValueError(f"target='residual' needs pre-norm blocks (the LLaMA layout); {model.config.model_type} "
                          "has none: use target='output'")  # fmt: skip
     if method is None:
@@ -289,7 +288,7 @@ def compensate(
             turn(block)  # an offloaded block's weights come in for its turn; what changed goes back after
             targets = None
             if layer_cuts:
-                norms = [adapter.residual_norm(index, c.unit) if residual else None for c in layer_cuts]
+                norms = [c.residual if residual else None for c in layer_cuts]
                 advance = index < last
                 targets, advanced = _teacher_pass(index, block, layer_cuts, teacher, inputs, method, advance, norms)
             else:

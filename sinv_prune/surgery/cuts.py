@@ -33,6 +33,8 @@ class Cut:
     width: int = 1
     quotas: list[tuple[list[int], int]] = field(default_factory=list)
     choose: Callable[[list[int]], None] | None = None
+    #: the pre-norm whose input is the residual stream the consumer's output is added to (None: not known)
+    residual: nn.Module | None = None
 
     def reselect(self, removed_units: list[int]) -> None:
         """Remove ``removed_units`` instead of the planned ones."""

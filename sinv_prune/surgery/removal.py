@@ -150,6 +150,7 @@ def prune_heads(
     precision: str = "float32",
     holdout: float = compensation.HOLDOUT,
     store: str = "cpu",
+    target: str = "output",
 ) -> PruneSummary:
     """Remove attention heads from ``model`` in place: ``prune(model, {"heads": heads}, ...)``.
 
@@ -171,6 +172,7 @@ def prune_heads(
         precision=precision,
         holdout=holdout,
         store=store,
+        target=target,
     )
 
 

@@ -47,7 +47,8 @@ def head_cuts(
         else:
             quotas = [(list(range(kv * group, (kv + 1) * group)), n) for kv, n in enumerate(lost)]
         pick = None if choose is None else _chooser(choose, layer, expand)
-        cuts[layer] = [Cut("heads", consumer, *columns, lambda layer=layer: apply(layer), width, quotas, pick)]
+        norm = adapter.attention_residual_norm(layer)
+        cuts[layer] = [Cut("heads", consumer, *columns, lambda layer=layer: apply(layer), width, quotas, pick, norm)]
     return cuts
 
 

@@ -26,7 +26,8 @@ def mlp_cuts(
         columns = [torch.tensor(c, dtype=torch.long, device=device) for c in (keep, removed)]
         quotas = [(list(range(len(keep) + len(removed))), len(removed))]
         pick = None if choose is None else (lambda units, layer=layer: choose(layer, units))
-        cuts[layer] = [Cut("mlp", consumer, *columns, lambda layer=layer: apply(layer), 1, quotas, pick)]
+        norm = adapter.mlp_residual_norm(layer)
+        cuts[layer] = [Cut("mlp", consumer, *columns, lambda layer=layer: apply(layer), 1, quotas, pick, norm)]
     return cuts
 
 
