@@ -53,6 +53,16 @@ def assert_unchanged(model, saved_state: dict, saved_config: dict, cls: type) ->
     assert all(torch.equal(now[k], saved_state[k]) for k in now)
 
 
+def run_hooked(model, batches, handles) -> None:
+    """Run ``model`` over ``batches``, then remove the hooks ``handles``, whatever happens."""
+    try:
+        for batch in batches:
+            model_output(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def consumer_io(model, batches) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the output projection's (input rows, output rows) over ``batches``, padding dropped."""
     adapter, seen = get_adapter(model), {}
@@ -65,12 +75,7 @@ def consumer_io(model, batches) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
             )
 
         handles.append(adapter.out_proj(layer).register_forward_hook(hook))
-    try:
-        for batch in batches:
-            model_output(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, batches, handles)
     result = {}
     for layer, pairs in seen.items():
         valid = [b["attention_mask"].reshape(-1).bool() if "attention_mask" in b else None for b in batches]

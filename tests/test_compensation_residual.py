@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import VOCAB, model_output, tiny_model
-from test_compensation import calibration
+from test_compensation import calibration, run_hooked
 
 import sinv_prune
 from sinv_prune.arch import get_adapter
@@ -37,12 +37,7 @@ def _capture(model, layer: int, unit: str, batches) -> dict[str, torch.Tensor]:
         consumer.register_forward_hook(lambda m, args, out: seen["y"].append(flat(out))),
         norm.register_forward_pre_hook(lambda m, args: seen["base"].append(flat(args[0]))),
     ]
-    try:
-        for batch in batches:
-            model_output(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, batches, handles)
     return {k: torch.cat(v) for k, v in seen.items()}
 
 
@@ -73,10 +68,8 @@ def _block_error(model, reference, batches, layer: int) -> float:
     outs = []
     for m in (model, reference):
         seen = []
-        h = get_adapter(m).layers()[layer].register_forward_hook(lambda mod, a, out, s=seen: s.append(out))
-        for batch in batches:
-            model_output(m, batch)
-        h.remove()
+        block = get_adapter(m).layers()[layer]
+        run_hooked(m, batches, [block.register_forward_hook(lambda *a, s=seen: s.append(a[2]))])
         outs.append(torch.cat([o[0] if isinstance(o, tuple) else o for o in seen]).double())
     return float((outs[0] - outs[1]).norm() / outs[1].norm())
 
