@@ -288,9 +288,8 @@ def compensate(
             turn(block)  # an offloaded block's weights come in for its turn; what changed goes back after
             targets = None
             if layer_cuts:
-                norms = [c.residual if residual else None for c in layer_cuts]
                 advance = index < last
-                targets, advanced = _teacher_pass(index, block, layer_cuts, teacher, inputs, method, advance, norms)
+                targets, advanced = _teacher_pass(index, block, layer_cuts, teacher, inputs, method, advance, residual)
             else:
                 advanced = [i.run(block, index, h) for h, i in zip(teacher, inputs, strict=True)]
             if student is None and layer_cuts:
@@ -365,10 +364,10 @@ class _Target:
     count: int = 0
 
 
-def _teacher_pass(index, block, cuts, teacher, inputs, method, advance, norms):
-    """Run the unpruned block on the teacher stream, recording each consumer's output (plus, where ``norms`` names
-    the cut's residual norm, the residual stream it is added to); the advanced stream."""
-    targets = [_Target(norm=norm) for norm in norms]
+def _teacher_pass(index, block, cuts, teacher, inputs, method, advance, residual: bool):
+    """Run the unpruned block on the teacher stream, recording each consumer's output (plus, with ``residual``, the
+    residual stream it is added to, where the cut names its norm); the advanced stream."""
+    targets = [_Target(norm=cut.residual if residual else None) for cut in cuts]
     current: list[BlockInput] = []
     bases: dict[int, torch.Tensor] = {}  # per target the teacher's residual stream at its consumer, this batch
 
