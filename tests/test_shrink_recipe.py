@@ -29,7 +29,7 @@ def test_an_auto_arm_runs_end_to_end(tmp_path):
     assert arm["pruned"]["params"] == base - shrink["removed"]
     assert shrink["evaluations"] <= 4 and shrink["seeds"]
     assert arm["criterion"] == "shrink"
-    assert "sequential" not in shrink["heldout_ppl"]  # refine is asked for
+    assert "sequential" not in shrink["heldout_ppl"]  # refine is not asked for
 
 
 def test_an_auto_arm_with_refine_also_builds_the_plan_block_by_block(tmp_path):
