@@ -253,12 +253,11 @@ def _print_estimate(recipe, device: str | None, config_s: float, threads: int | 
 
     The probe runs with the torch threads the run itself would choose.
     """
-    import torch
-
+    from sinv_prune.pipeline.device_choice import default_device
     from sinv_prune.pipeline.estimate import estimate_stages, estimate_table, run_probe, split_tokens
     from sinv_prune.pipeline.threads import recipe_threads
 
-    device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device, recipe.device)
     click.echo(f"probing {device} for a time estimate ...")
     try:
         with recipe_threads(recipe, threads):
@@ -275,11 +274,10 @@ def _print_estimate(recipe, device: str | None, config_s: float, threads: int | 
 def _print_memory(recipe, device: str | None) -> None:
     """The prune stage's predicted peak memory (:mod:`sinv_prune.pipeline.memory_model`); a run that will not fit
     the device is refused (exit 2) in one line naming the setting that would."""
-    import torch
-
+    from sinv_prune.pipeline.device_choice import default_device
     from sinv_prune.pipeline.estimate import memory_check
 
-    device = device or recipe.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device, recipe.device)
     try:
         lines, refused = memory_check(recipe, device)
     except Exception as err:  # noqa: BLE001  (an architecture the memory model cannot read: the dry run goes on)

@@ -13,6 +13,7 @@ from typing import Any
 
 from sinv_prune.lmeval.harness import evaluate_tasks, resolve_tasks
 from sinv_prune.lmeval.lastword import cache_root, source_file
+from sinv_prune.pipeline.device_choice import default_device
 from sinv_prune.surgery.keep_tokenizer import has_tokenizer
 
 #: ``--perplexity``: windows of at most this many tokens (fewer where the model's context is shorter), half overlapping.
@@ -38,7 +39,6 @@ def evaluate_source(
     without one is refused (``ValueError``, one line saying how to fix it) before anything loads.
     The ``"lm_eval"`` key holds the pins; ``"raw"`` lm-eval's own result dict (for its table).
     """
-    import torch
 
     from sinv_prune.data import load_model_tokenizer
     from sinv_prune.surgery.checkpoint import from_pretrained
@@ -50,7 +50,7 @@ def evaluate_source(
         )
     task_set = resolve_tasks(tasks, os.getcwd(), build_dir=cache_root(), where="--tasks") if tasks else None
     text = source_file().read_text(encoding="utf-8") if perplexity else None
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     model = from_pretrained(source, **kwargs).to(device).eval()
     tokenizer = load_model_tokenizer(tokenizer) if tokenizer else load_model_tokenizer(source, **kwargs)

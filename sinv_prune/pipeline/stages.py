@@ -27,6 +27,7 @@ import torch
 
 from sinv_prune import data as data_mod
 from sinv_prune.log_level import log_level
+from sinv_prune.pipeline.device_choice import default_device
 from sinv_prune.pipeline.evaluation import (
     compare_speed,
     fits_together,
@@ -112,7 +113,7 @@ def run_recipe(
     """
     preflight(recipe)
     threads = parse_threads(threads)
-    device = device or recipe.device or input_device(recipe) or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device, recipe.device, input_device(recipe))
     ranks = Ranks(device)
     run_dir = ranks.on_main(lambda: RunDir.open(Path(output), overwrite=overwrite, resume=resume))
     run = Run(recipe, run_dir, device, quiet or not ranks.is_main, keep_checkpoints=keep_checkpoints, ranks=ranks)

@@ -17,6 +17,7 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint, has_length
 
+from sinv_prune.pipeline.device_choice import default_device
 from sinv_prune.pipeline.recipe import FinetuneSpec, TrainSpec
 from sinv_prune.pipeline.step_budget import budget_steps, planned_steps, tokens_per_step  # noqa: F401
 from sinv_prune.progress import bar
@@ -124,7 +125,7 @@ def run_trainer(
     optimizer_cls, optimizer_kwargs = optimizer_cls_and_kwargs(spec)
     # ECD's update uses g / (F - F0): clipping the gradient would change it, so no clipping by default.
     max_grad_norm = spec.max_grad_norm if spec.max_grad_norm is not None else (0.0 if spec.optimizer == "ecd" else 1.0)
-    use_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+    use_cpu = default_device(device) == "cpu"
     if spec.bf16 and use_cpu and not cpu_has_bf16():
         key = "finetune.bf16" if isinstance(spec, FinetuneSpec) else "train.bf16"
         capability = torch.backends.cpu.get_cpu_capability()
