@@ -596,6 +596,19 @@ def test_source_can_be_an_arm_name_an_arm_dir_or_a_model_dir(run_dir):
         resolve_source(run_dir.root / "nope")
 
 
+def test_a_directory_holding_checkpoints_names_them(tmp_path):
+    """``bench_shrink.py --save DIR`` writes DIR/shrink-<cut>: naming DIR says which checkpoints lie inside."""
+    for name in ("shrink-0.25", "shrink-0.1"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    (tmp_path / "notes").mkdir()
+    inside = r"not a checkpoint directory.*; checkpoints inside it: shrink-0\.1, shrink-0\.25$"
+    with pytest.raises(PushError, match=inside):
+        resolve_source(tmp_path)
+    with pytest.raises(PushError, match=r"or RUN/ARM_NAME$"):
+        resolve_source(tmp_path / "notes")
+
+
 def test_card_of_a_pruned_hub_model_names_its_base_and_data(run_dir):
     recipe = "model: {path: HuggingFaceTB/SmolLM2-135M}\ndata: {hub: {path: wikitext, name: wikitext-2-raw-v1}}\n"
     config = transformers.AutoConfig.from_pretrained(run_dir.arm / "pruned")

@@ -545,7 +545,9 @@ def resolve_source(path: str | os.PathLike) -> PushSource:
         raise PushError(f"{path} is a run directory; name an arm: {path}/ARM (arms: {_arm_names(path)})")
     arm_dir = path if _is_arm_dir(path) else _arm_dir_by_name(path)
     if arm_dir is None:
-        raise PushError(f"{path}: not a checkpoint directory, an arm directory (RUN/arms/NAME) or RUN/ARM_NAME")
+        inside = sorted(d.name for d in path.iterdir() if (d / "config.json").is_file()) if path.is_dir() else []
+        hint = f"; checkpoints inside it: {', '.join(inside)}" if inside else ""
+        raise PushError(f"{path}: not a checkpoint directory, an arm directory (RUN/arms/NAME) or RUN/ARM_NAME{hint}")
     model_dir = next(arm_dir / s for s in ("finetuned", "pruned") if (arm_dir / s / "config.json").is_file())
     run = arm_dir.parent.parent if arm_dir.parent.name == "arms" else None
     return _with_run(PushSource(model_dir=model_dir), run)
