@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from sinv_prune.pipeline.device_choice import synchronize
 from sinv_prune.pipeline.estimate_row import CHARS_PER_TOKEN, Row
 from sinv_prune.pipeline.recipe import Recipe, TrainSpec
 
@@ -228,10 +229,10 @@ def _grow(call, batch: int, seq_len: int, device) -> Timing:
     for b, n in shapes:
         seconds = []
         for _ in range(2):
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             call(b, n)
-            _sync(device)
+            synchronize(device)
             seconds.append(time.perf_counter() - start)
         timing.points.append((b * n, min(seconds)))
         last, first = timing.points[-1][1], timing.points[0][1]
@@ -247,11 +248,6 @@ def _doubling(first: int, last: int) -> list[int]:
         out.append(n)
         n *= 2
     return out + [last] if first <= last else out
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _inputs(batch: int, length: int, vocab: int, device) -> torch.Tensor:
@@ -280,10 +276,10 @@ def _optimizer_step(model, spec: TrainSpec, device) -> tuple[float, int]:
         optimizer = build_optimizer("adamw", params, lr=spec.learning_rate)
     loss = torch.ones(())
     optimizer.step(lambda: loss)
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     optimizer.step(lambda: loss)
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - start, optimizer_state_bytes(optimizer)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sinv_prune.arch import get_adapter
+from sinv_prune.pipeline.device_choice import synchronize
 from sinv_prune.surgery.removal import count_parameters
 
 PERPLEXITY_METHOD = "strided-window"
@@ -362,16 +363,11 @@ def _speed_inputs(model: nn.Module, batch_size: int, seq_len: int, vocab_size: i
     return {"input_ids": ids, **kwargs}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(model: nn.Module, inputs: dict, device: torch.device) -> float:
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     model(**inputs)
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - start
 
 
