@@ -362,13 +362,17 @@ def fmt_ms(values: Sequence[float], digits: int = 1) -> str:
     return f"{m:.{digits}f}" if s is None else f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
-def write_json(path: str | os.PathLike | None, result: dict) -> None:
+def write_json(path: str | os.PathLike | None, result: dict, say: bool = True) -> None:
+    """Write ``result`` to ``path`` (nothing when no path), replacing it whole; ``say``: print where."""
     if not path:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
-    print(f"wrote {path}")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
+    tmp.replace(path)
+    if say:
+        print(f"wrote {path}")
 
 
 def _jsonable(value):

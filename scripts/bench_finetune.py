@@ -82,6 +82,8 @@ def parse(argv):
         args.tokens, args.batch, args.seq_len, args.eval_tokens, args.k = 256, 2, 32, 256, 8
     elif args.pruned is None:
         ap.error("--pruned DIR is needed (or --quick)")
+    for row in args.rows:  # a typo in the last row fails now, not after hours of the first ones
+        row_settings(row, args)
     return args
 
 
@@ -245,7 +247,10 @@ def run(argv=None) -> int:
                 del model
                 print(f"  {row} {which}: {out[which]}", flush=True)
             rows.append(out)
-    result.update(before=before, rows=rows, model=name)
+            # every finished row reaches the JSON at once: a run stopped later keeps what it measured
+            result.update(before=before, rows=rows, model=name, complete=False)
+            common.write_json(args.json, result, say=False)
+    result.update(complete=True)
     print()
     print(common.table(*summary(rows, before)))
     common.finish(info)

@@ -590,6 +590,31 @@ def test_bench_finetune_quick(tmp_path, capsys):
         r["pruned"]["steps"] == 4 for r in result["rows"] if r["row"] != "freeze"
     )
     assert "| kd " in out and "pruned / control" in out and "Paris (c, p)" in out
+    assert result["complete"] is True
+
+
+def test_bench_finetune_stopped_keeps_rows(tmp_path, monkeypatch):
+    """An unknown row stops the run before any training; a run stopped during its second row leaves the first
+    in its JSON."""
+    module, path = _script("bench_finetune"), tmp_path / "f.json"
+    argv = ["--quick", "--threads", "1", "--rows", "kd", "kd", "--json", str(path)]
+    with pytest.raises(SystemExit, match="unknown row 'bogus'"):
+        module.main([*argv[:-2], "bogus", *argv[-2:]])
+    assert not path.exists()
+    calls, knows_paris = [], module.knows_paris
+
+    def stop_at_second_row(model, tokenizer):  # 2 calls before training, then one per model and row
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return knows_paris(model, tokenizer)
+
+    monkeypatch.setattr(module, "knows_paris", stop_at_second_row)
+    with pytest.raises(KeyboardInterrupt):
+        module.main(argv)
+    result = json.loads(path.read_text())
+    assert result["complete"] is False and [r["row"] for r in result["rows"]] == ["kd"]
+    assert result["rows"][0]["pruned"]["steps"] == 4 and not list(tmp_path.glob("*.tmp"))
 
 
 def test_bench_memory_quick(tmp_path, capsys):
