@@ -23,6 +23,9 @@ Rows (``--rows``; settings not named come from ``finetune``'s defaults, ``FINETU
   which); the control lost nothing, so it stays the untouched model;
 * ``lora``: ``kd`` through ``finetune.lora`` (r 16, alpha 32, every projection) at ``--lora-lr``.
 
+``--json`` is rewritten after every row, with ``complete`` false until the last row has run: a run stopped
+early keeps the rows it finished.
+
     python scripts/bench_finetune.py --pruned runs/shrink25 --rows lr=1e-5 lr=3e-5 lr=1e-4 --tokens 65536
     python scripts/bench_finetune.py --quick      # a tiny random LLaMA and a pruned copy: tests the script only
 """
