@@ -369,8 +369,12 @@ def write_json(path: str | os.PathLike | None, result: dict, say: bool = True) -
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
+        tmp.replace(path)
+    except BaseException:  # the old file stays whole, and no temporary is left beside it
+        tmp.unlink(missing_ok=True)
+        raise
     if say:
         print(f"wrote {path}")
 

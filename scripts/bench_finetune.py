@@ -236,6 +236,7 @@ def run(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         caches = {}
         rows = []
+        result.update(before=before, rows=rows, model=name, complete=False)
         for row in args.rows:
             settings = row_settings(row, args)
             T = settings["spec"]["distill"]["temperature"]  # noqa: N806
@@ -251,7 +252,6 @@ def run(argv=None) -> int:
                 print(f"  {row} {which}: {out[which]}", flush=True)
             rows.append(out)
             # every finished row reaches the JSON at once: a run stopped later keeps what it measured
-            result.update(before=before, rows=rows, model=name, complete=False)
             common.write_json(args.json, result, say=False)
     result.update(complete=True)
     print()
