@@ -86,7 +86,10 @@ def parse(argv):
     elif args.pruned is None:
         ap.error("--pruned DIR is needed (or --quick)")
     for row in args.rows:  # a typo in the last row fails now, not after hours of the first ones
-        row_settings(row, args)
+        try:
+            row_settings(row, args)
+        except SystemExit as err:
+            ap.error(str(err))
     return args
 
 

@@ -593,13 +593,14 @@ def test_bench_finetune_quick(tmp_path, capsys):
     assert result["complete"] is True
 
 
-def test_bench_finetune_stopped_keeps_rows(tmp_path, monkeypatch):
-    """An unknown row stops the run before any training; a run stopped during its second row leaves the first
-    in its JSON."""
+def test_bench_finetune_stopped_keeps_rows(tmp_path, monkeypatch, capsys):
+    """An unknown row stops the run before any training (a usage error, exit code 2); a run stopped during its
+    second row leaves the first in its JSON."""
     module, path = _script("bench_finetune"), tmp_path / "f.json"
     argv = ["--quick", "--threads", "1", "--rows", "kd", "kd", "--json", str(path)]
-    with pytest.raises(SystemExit, match="unknown row 'bogus'"):
+    with pytest.raises(SystemExit) as stop:
         module.main([*argv[:-2], "bogus", *argv[-2:]])
+    assert stop.value.code == 2 and "unknown row 'bogus'" in capsys.readouterr().err
     assert not path.exists()
     calls, knows_paris = [], module.knows_paris
 
