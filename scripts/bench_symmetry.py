@@ -60,6 +60,10 @@ from pathlib import Path
 import torch
 import transformers
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _bench_common as common  # noqa: E402
+
 from sinv_prune.data import synthetic_corpus, token_ids, train_tokenizer
 from sinv_prune.pipeline.evaluation import perplexity
 from sinv_prune.scoring.measures import head_measures
@@ -486,10 +490,7 @@ def main(argv=None) -> dict:
     result["total_seconds"] = time.perf_counter() - t_start
     print(f"total: {result['total_seconds']:.0f} s")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(f".{args.json.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(tmp, args.json)
+        common.write_json(args.json, result, say=False)
         print(f"json: {args.json}")
     return result
 
