@@ -273,7 +273,7 @@ def test_recipe_exports_every_arm_and_the_baseline(tmp_path):
         assert (row["verify"] is not None) == llama_cpp_available()
     assert (out / "arms" / "magnitude-2-global" / "model.gguf").exists() and (out / "base" / "model.gguf").exists()
     report = (out / "report.md").read_text()
-    assert ("Greedy continuations" in report) == llama_cpp_available()
+    assert ("Greedy continuations of the check's prompt" in report) == llama_cpp_available()
     assert (
         "## GGUF files (llama.cpp)" in report
         and "| magnitude-2-global | `arms/magnitude-2-global/model.gguf` | deci" in report
