@@ -88,7 +88,7 @@ def parse(argv):
     for row in args.rows:  # a typo in the last row fails now, not after hours of the first ones
         try:
             row_settings(row, args)
-        except SystemExit as err:
+        except ValueError as err:
             ap.error(str(err))
     return args
 
@@ -114,7 +114,7 @@ def row_settings(row: str, args) -> dict:
     elif name == "lora":
         spec = {"learning_rate": args.lora_lr, "lora": {"r": 16, "alpha": 32.0}}
     elif name not in ("kd", "freeze"):
-        raise SystemExit(f"unknown row {row!r}")
+        raise ValueError(f"unknown row {row!r}")
     distill.setdefault("temperature", args.temperature)
     return {"spec": {**spec, "distill": distill}, "freeze": name == "freeze"}
 
