@@ -146,4 +146,7 @@ def test_every_python_block_runs_on_the_model_the_readme_builds(tmp_path, monkey
     (gguf_file,) = tmp_path.glob("*.gguf")
     reader = gguf.GGUFReader(gguf_file)
     assert len(reader.fields["tokenizer.ggml.tokens"].data) == 49152  # chat front ends need the vocabulary
-    assert "tokenizer: none" not in result.output and "round trip passed" in result.output
+    from sinv_prune.deploy.gguf_verify import llama_cpp_available
+
+    assert "tokenizer: none" not in result.output  # the vocabulary went in (above), and export says so
+    assert ("round trip passed" in result.output) == llama_cpp_available()  # its check needs llama-cpp-python

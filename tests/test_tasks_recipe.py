@@ -186,3 +186,48 @@ def test_a_masked_lm_recipe_with_tasks_fails_in_preflight(tmp_path):
     assert (
         result.output == "error: evaluate.tasks: lm-eval tasks score causal LMs; this recipe's model is a masked LM\n"
     )
+
+
+def test_tasks_on_runs_the_tasks_on_the_fine_tuned_models_only(tmp_path):
+    task_dir = mc_task(tmp_path / "mc", words=corpus_words(), n=24)
+    arms = [{"criterion": "magnitude", "amount": 2}, {"control": True}]
+    evaluate = {**RECIPE["evaluate"], "tasks": ["mc"], "tasks_on": ["finetuned"]}
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPE, "prune": {"arms": arms}, "evaluate": evaluate}))
+    dry = invoke(recipe, "--output", tmp_path / "dry", "--dry-run")
+    assert dry.exit_code == 0 and "2 models x tasks" in dry.output, dry.output  # not the 4 without tasks_on
+    result = invoke(recipe, "--output", tmp_path / "out", "--quiet")
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    results = json.loads((out / "results.json").read_text())
+    pruned_arm, control = results["arms"]
+    for evaluation in (results["baseline"], pruned_arm["pruned"], control["pruned"]):
+        assert "tasks" not in evaluation and len(evaluation["generations"]) == 2  # generations still run
+    for arm in (pruned_arm, control):  # each fine-tuned model's accuracy is the one `sinv-prune eval` measures
+        saved = tmp_path / f"{arm['name']}.json"
+        cli = invoke("eval", out / arm["model_dir"], "--tasks", task_dir, "--json", saved, "--batch-size", "8")
+        assert cli.exit_code == 0, cli.output
+        assert arm["finetuned"]["tasks"]["tiny_mc"]["acc"] == json.loads(saved.read_text())["tasks"]["tiny_mc"]["acc"]
+    assert results["run"]["lm_eval"]["tasks"]["tiny_mc"]["version"] == 1.0
+    report = (out / "report.md").read_text()
+    assert "| arm | stage | params | tiny_mc (acc) | mean |" in report
+    assert f"| baseline | - | {results['baseline']['params']:,} | - | - |" in report
+    acc = control["finetuned"]["tasks"]["tiny_mc"]["acc"]
+    assert f"| {control['name']} | fine-tuned | {control['finetuned']['params']:,} | {acc:.4f} ± " in report
+    assert (out / "plots" / "accuracy_vs_params.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "tasks_on, message",
+    [
+        ([], "evaluate.tasks_on: List should have at least 1 item"),
+        (["tuned"], "evaluate.tasks_on[0]: Input should be 'baseline', 'pruned' or 'finetuned'"),
+        (["pruned", "pruned"], "evaluate.tasks_on: pruned named twice"),
+    ],
+)
+def test_bad_tasks_on_is_a_one_line_usage_error(tmp_path, tasks_on, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPE, "evaluate": {"tasks": ["wikitext_lastword"], "tasks_on": tasks_on}}))
+    result = invoke(recipe, "--output", tmp_path / "out")
+    assert result.exit_code == 2 and result.output.startswith("error: ") and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -20,11 +20,24 @@ def _models(results: dict) -> list[tuple[str, str, dict]]:
     return rows
 
 
+def evaluations(results: dict) -> list[dict]:
+    """The baseline's evaluation, then each arm's as pruned and as fine-tuned (where it was)."""
+    return [evaluation for _, _, evaluation in _models(results)]
+
+
+def _first_with_tasks(results: dict) -> dict:
+    """The first evaluation (baseline, then the arms' models) that ran the tasks (``evaluate.tasks_on``)."""
+    if "baseline" not in results:  # a partial results dict (a model card's minimal one)
+        return {}
+    return next((ev for ev in evaluations(results) if ev.get("tasks")), {})
+
+
 def task_names(results: dict) -> list[str]:
-    """The report's task columns: the baseline's tasks, a group's aggregate instead of its subtasks."""
-    base = results.get("baseline") or {}
-    pins = base.get("lm_eval") or {}
-    return list(pins.get("columns") or (base.get("tasks") or {}).keys())
+    """The report's task columns: the tasks of the first model that ran them, a group's aggregate instead of
+    its subtasks."""
+    first = _first_with_tasks(results)
+    pins = first.get("lm_eval") or {}
+    return list(pins.get("columns") or (first.get("tasks") or {}).keys())
 
 
 def _headline(metrics: dict | None):
@@ -41,7 +54,7 @@ def mean_accuracy(evaluation: dict, names: list[str]) -> float | None:
 
 def task_header(results: dict, name: str) -> str:
     """A task's column header: its name and the metric shown, ``arc_easy (acc_norm)``."""
-    head = _headline(results["baseline"]["tasks"][name])
+    head = _headline(_first_with_tasks(results)["tasks"][name])
     return f"{name} ({head[0]})" if head else name
 
 
@@ -57,7 +70,7 @@ def task_cell(evaluation: dict, name: str) -> str:
 
 def task_pins(results: dict) -> dict | None:
     """The lm-eval pins of the run (version, few-shot, limit, task versions), if it evaluated tasks."""
-    return (results.get("run") or {}).get("lm_eval") or results["baseline"].get("lm_eval")
+    return (results.get("run") or {}).get("lm_eval") or _first_with_tasks(results).get("lm_eval")
 
 
 def task_lines(results: dict) -> list[str]:

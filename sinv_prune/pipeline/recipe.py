@@ -866,10 +866,13 @@ class EvaluateSpec(Strict):
     ``num_fewshot`` (null: each task's default) and ``limit`` (items per task; below 1: a
     fraction) go to lm-eval. ``batch_size``: perplexity windows and lm-eval requests at once;
     ``auto`` lets lm-eval find the largest that fits on an accelerator (8 on the CPU and for
-    perplexity). ``prompts``: continued greedily for 32 tokens by every model (omitted: three
-    fixed prompts; ``[]``: none)::
+    perplexity). ``tasks_on``: which models run the tasks, of ``baseline``, ``pruned`` (each arm
+    as pruned) and ``finetuned`` (each arm as fine-tuned); all three unless set (a recovery run
+    that reads only its fine-tuned models against the control's skips the rest). ``prompts``:
+    continued greedily for 32 tokens by every model (omitted: three fixed prompts; ``[]``: none)::
 
         evaluate: {tasks: [wikitext_lastword, ./my_tasks], num_fewshot: 0, limit: 500, batch_size: auto}
+        evaluate: {tasks: [wikitext_lastword], tasks_on: [finetuned]}
     """
 
     batch_size: int | Literal["auto"] = 8
@@ -878,6 +881,9 @@ class EvaluateSpec(Strict):
     speed_seq_len: int | None = Field(None, gt=0)
     speed_repeats: int = Field(10, gt=0)
     tasks: list[str] = Field(default_factory=list)
+    tasks_on: list[Literal["baseline", "pruned", "finetuned"]] = Field(
+        default_factory=lambda: ["baseline", "pruned", "finetuned"], min_length=1
+    )
     num_fewshot: int | None = Field(0, ge=0)
     limit: int | float | None = None
     prompts: list[str] | None = None
@@ -887,6 +893,14 @@ class EvaluateSpec(Strict):
     def _positive_batch(cls, v):
         if v != "auto" and v <= 0:
             raise ValueError("batch_size must be a positive integer or 'auto'")
+        return v
+
+    @field_validator("tasks_on")
+    @classmethod
+    def _no_repeats(cls, v):
+        twice = sorted({kind for kind in v if v.count(kind) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} named twice")
         return v
 
     @field_validator("limit")
@@ -978,6 +992,14 @@ class Recipe(Strict):
         and, with a fine-tune, as fine-tuned."""
         tuned = self.finetune is not None
         return 1 + sum((0 if arm.control else 1) + tuned for arm in self.prune.arms)
+
+    @property
+    def task_models(self) -> int:
+        """Models the evaluate stage runs ``evaluate.tasks`` on (``evaluate.tasks_on``; a control arm's pruned
+        model is the baseline, whose tasks it takes)."""
+        on, tuned = self.evaluate.tasks_on, self.finetune is not None
+        pruned = sum(not arm.control for arm in self.prune.arms)
+        return ("baseline" in on) + pruned * ("pruned" in on) + len(self.prune.arms) * tuned * ("finetuned" in on)
 
     def resolve(self, path: str) -> str:
         """A data/model path relative to the recipe file; ``pkg://NAME`` -> installed package dir."""

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from sinv_prune.hub.model_card import gguf_cell, speed_cell
-from sinv_prune.lmeval.report import generation_lines, mean_accuracy, task_lines, task_names
+from sinv_prune.lmeval.report import evaluations, generation_lines, mean_accuracy, task_lines, task_names
 from sinv_prune.pipeline.recipe import Recipe
 from sinv_prune.pipeline.report_routing import plot_routing, routing_lines
 from sinv_prune.rundir import write_json, write_text
@@ -339,7 +339,7 @@ def plot_accuracy_vs_params(results: dict, path: Path) -> Path | None:
     from sinv_prune.pipeline.report_figure import per_arm_figure
 
     names = task_names(results)
-    if not names or mean_accuracy(results["baseline"], names) is None:
+    if not names or all(mean_accuracy(ev, names) is None for ev in evaluations(results)):
         return None
     label = f"mean accuracy over {len(names)} task{'s' if len(names) > 1 else ''} (higher is better)"
     fig = per_arm_figure(results, lambda ev: mean_accuracy(ev, names), label, log_y=False, note=", ".join(names))

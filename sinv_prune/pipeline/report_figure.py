@@ -21,9 +21,9 @@ def per_arm_figure(results: dict, value, ylabel: str, *, log_y: bool = True, not
     groups = _seed_groups(results["arms"])
     sizes = {a.get("params", a["pruned"]["params"]) for a in results["arms"]}
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * (len(groups) + 1) + 2.5), 4.4), dpi=120)
-    ax.scatter([0], [value(base)], marker="*", s=180, color="black", zorder=3)
+    ppls = [] if value(base) is None else [value(base)]  # None: not measured (evaluate.tasks_on)
+    ax.scatter([0] * len(ppls), ppls, marker="*", s=180, color="black", zorder=3)
     labels = ["baseline"]
-    ppls = [value(base)]
     for x, (name, arms) in enumerate(groups, start=1):
         color = f"C{(x - 1) % 10}"
         for stage, filled in (("pruned", False), ("finetuned", True)):

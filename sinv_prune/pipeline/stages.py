@@ -660,10 +660,11 @@ def _task(model) -> str:
 # -- evaluation and report ----------------------------------------------------------------------
 
 
-def evaluate_model(run: Run, model, label: str, *, offload: bool = False) -> dict:
+def evaluate_model(run: Run, model, label: str, *, kind: str = "baseline", offload: bool = False) -> dict:
     """Perplexity (or MLM loss), parameter counts and speed of one model; for a mixture-of-experts
     causal LM also ``routing``, each expert's share of the router's choices on the evaluation text
-    (:mod:`sinv_prune.pipeline.routing`).
+    (:mod:`sinv_prune.pipeline.routing`). ``kind`` (``baseline``, ``pruned``, ``finetuned``): the
+    recipe's tasks run when ``evaluate.tasks_on`` names it.
 
     ``offload``: the base model waits on the CPU, and the speed comparison moves the two models
     to the device in turn (they do not fit there together).
@@ -701,7 +702,9 @@ def evaluate_model(run: Run, model, label: str, *, offload: bool = False) -> dic
         )
         if routing is not None:  # a mixture-of-experts model: how often each expert is chosen (original numbering)
             out["routing"] = routing
-    out.update(model_tasks(run.recipe, run.root, run.tokenizer, model, masked_lm=is_masked_lm(model), label=label))
+    tasks = kind in spec.tasks_on
+    out.update(model_tasks(run.recipe, run.root, run.tokenizer, model, masked_lm=is_masked_lm(model), label=label,
+                           tasks=tasks))  # fmt: skip
     if spec.speed:
         # Interleaved with the baseline in one process, so machine load hits both alike.
         speed = compare_speed(
@@ -751,7 +754,7 @@ def stage_evaluate(run: Run) -> dict:
             # a control arm's model is the base: its evaluation is the baseline's
             "pruned": dict(results["baseline"])
             if arm.control
-            else evaluate_model(run, pruned, f"{arm.label} (pruned)", offload=offload),
+            else evaluate_model(run, pruned, f"{arm.label} (pruned)", kind="pruned", offload=offload),
             "model_dir": state["pruned_dir"],
             "score_report": scores.get(criterion_key(arm), {}).get("report", {}) if arm.part_specs else {},
             "shrink": state.get("shrink"),
@@ -759,7 +762,8 @@ def stage_evaluate(run: Run) -> dict:
         del pruned
         if state.get("finetuned"):
             tuned = load_saved(run, run.root / state["finetuned_dir"])
-            row["finetuned"] = evaluate_model(run, tuned, f"{arm.label} (fine-tuned)", offload=offload)
+            row["finetuned"] = evaluate_model(run, tuned, f"{arm.label} (fine-tuned)", kind="finetuned",
+                                              offload=offload)  # fmt: skip
             row["model_dir"] = state["finetuned_dir"]
             row["distill"] = state.get("finetune", {}).get("distill")
             row["finetune_tokens"] = state.get("finetune", {}).get("tokens")
@@ -780,8 +784,11 @@ def stage_evaluate(run: Run) -> dict:
         "train": run.dir.state.get("train"),
         "gqa": _has_gqa(run.base),
     }
-    if results["baseline"].get("lm_eval"):
-        results["run"]["lm_eval"] = results["baseline"]["lm_eval"]
+    from sinv_prune.lmeval.report import evaluations
+
+    pins = [ev["lm_eval"] for ev in evaluations(results) if ev.get("lm_eval")]
+    if pins:  # the same for every model that ran the tasks
+        results["run"]["lm_eval"] = pins[0]
     results = with_null_reasons(results)
     write_json(path, results)
     run.dir.finish("evaluate")

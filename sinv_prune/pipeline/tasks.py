@@ -74,20 +74,23 @@ def _task_set(entries: tuple[str, ...], base_dir: str, build_dir: str):
     return cached
 
 
-def model_tasks(recipe: Recipe, root: Path, tokenizer, model, *, masked_lm: bool, label: str = "") -> dict[str, Any]:
-    """The recipe's lm-eval tasks and generations for one model (an empty dict when it asks for neither)."""
+def model_tasks(
+    recipe: Recipe, root: Path, tokenizer, model, *, masked_lm: bool, label: str = "", tasks: bool = True
+) -> dict[str, Any]:
+    """The recipe's lm-eval tasks (unless ``tasks`` is false) and generations for one model (an empty dict when
+    it asks for neither)."""
     from sinv_prune.pipeline.generations import DEFAULT_PROMPTS, greedy_continuations
 
     spec = recipe.evaluate
     out: dict[str, Any] = {}
-    if spec.tasks and not masked_lm:
+    if spec.tasks and tasks and not masked_lm:
         from sinv_prune.lmeval import evaluate_tasks, headline
 
-        tasks, manager = _task_set(tuple(spec.tasks), str(recipe._base_dir), str(Path(root) / "tasks"))
+        task_set, manager = _task_set(tuple(spec.tasks), str(recipe._base_dir), str(Path(root) / "tasks"))
         result = evaluate_tasks(
             model,
             tokenizer,
-            tasks,
+            task_set,
             num_fewshot=spec.num_fewshot,
             limit=spec.limit,
             batch_size=spec.task_batch_size,
@@ -117,9 +120,10 @@ def estimate_rows(recipe: Recipe, probe) -> list:
     rows = []
     if spec.tasks:
         seconds, counted, rest = task_seconds(recipe, probe)
-        what = f"{models} models x " + ", ".join(counted or ["tasks"])
+        tasked = recipe.task_models
+        what = f"{tasked} models x " + ", ".join(counted or ["tasks"])
         what += f" (+{rest} tasks not counted)" if rest else ""
-        rows.append(Row("evaluate tasks (lm-eval)", models * seconds, what))
+        rows.append(Row("evaluate tasks (lm-eval)", tasked * seconds, what))
     prompts = DEFAULT_PROMPTS if spec.prompts is None else spec.prompts
     if prompts and recipe.model.architecture not in ("bert", "roberta"):
         seconds = models * len(prompts) * NEW_TOKENS * probe.forward(1)
