@@ -52,7 +52,7 @@ def test_a_token_budget_stops_at_the_ceiling_of_its_steps(tmp_path, tokens, accu
 def test_budget_keys_are_one_line_errors():
     with pytest.raises(RecipeError, match=r"^finetune: give tokens or max_steps, not both"):
         validate_recipe({**BASE, "finetune": {"tokens": 1000, "max_steps": 3}})
-    with pytest.raises(RecipeError, match=r"^finetune: data: a streamed source has no length; give tokens or max_st"):
+    with pytest.raises(RecipeError, match=r"^finetune: data: a streamed or generated source has no length; give tok"):
         validate_recipe({**BASE, "finetune": {"data": {"files": "a.txt"}}})
     with pytest.raises(RecipeError, match=r"^finetune\.data: give exactly one source of files, hub"):
         validate_recipe({**BASE, "finetune": {"tokens": 10, "data": {"files": "a.txt", "hub": {"path": "x/y"}}}})

@@ -164,8 +164,9 @@ def load_blocks(path: Path) -> Blocks:
 
 
 def finetune_blocks(run) -> Blocks:
-    """The fine-tune's blocks: ``finetune.data`` streamed (the main process packs, every process reads) or the
-    run's train split (valid without one) cut into ``data.seq_len`` blocks."""
+    """The fine-tune's blocks: ``finetune.data`` streamed (the main process packs, every process reads),
+    written by the base model (``generate``: :mod:`sinv_prune.pipeline.teacher_text`) or the run's train split
+    (valid without one) cut into ``data.seq_len`` blocks."""
     from sinv_prune.data import block_tensor
     from sinv_prune.pipeline.step_budget import planned_steps
 
@@ -177,6 +178,14 @@ def finetune_blocks(run) -> Blocks:
         return Blocks(blocks)
     world = run.ranks.world_size
     count = planned_steps(spec, seq, world) * spec.batch_size * spec.gradient_accumulation_steps * world
+    if spec.data.generate is not None:
+        from sinv_prune.pipeline.teacher_text import generated_blocks
+
+        prompts = run.ids["train" if "train" in run.ids else "valid"]
+        path = run.ranks.on_main(lambda: generated_blocks(
+            run.base, prompts, spec.data.generate, seq, count, run.root / "finetune_data", seed=run.recipe.seed,
+            eos_token_id=run.tokenizer.eos_token_id, progress=not run.quiet))  # fmt: skip
+        return load_blocks(path)
     path = run.ranks.on_main(
         lambda: stream_blocks(spec.data, run.tokenizer, seq, count, run.root / "finetune_data", run.recipe.resolve)
     )

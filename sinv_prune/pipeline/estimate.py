@@ -406,6 +406,12 @@ def _finetune_rows(recipe: Recipe, probe: Probe, tokens: dict[str, int]) -> list
     steps = _steps(spec, seq_len, split_tokens_)
     load = probe.build_s + probe.param_bytes / probe.read_bps
     rows = []
+    generate = spec.data.generate if spec.data is not None else None
+    if generate is not None:  # each new token one forward of the batch (its cache's attention not counted)
+        blocks = steps * spec.batch_size * spec.gradient_accumulation_steps
+        new = seq_len - generate.prompt_tokens
+        seconds = math.ceil(blocks / generate.batch_size) * new * probe.forward(generate.batch_size)
+        rows.append(Row("teacher text", seconds, f"base model writes {blocks} blocks of {new} new tokens"))
     if spec.distill is not None and spec.distill.cache_top_k:
         blocks = steps * spec.batch_size * spec.gradient_accumulation_steps
         if split_tokens_ is not None:

@@ -114,6 +114,12 @@ def check_finetune(recipe: Recipe, model) -> None:
         if not Path(recipe.resolve(name)).exists():
             where = "finetune.data.files" + ("" if isinstance(files, str) else f"[{i}]")
             raise RecipeError(f"{where}: {recipe.resolve(name)} does not exist")
+    generate = spec.data.generate if spec.data is not None else None
+    if generate is not None and is_masked_lm(model):
+        raise RecipeError("finetune.data.generate: a masked LM writes no text; give files or hub")
+    if generate is not None and generate.prompt_tokens >= recipe.data.seq_len:
+        raise RecipeError(f"finetune.data.generate.prompt_tokens ({generate.prompt_tokens}) must be below "
+                          f"data.seq_len ({recipe.data.seq_len}): the model writes the rest of each block")  # fmt: skip
     k = spec.distill.cache_top_k if spec.distill is not None else None
     if k and is_masked_lm(model):
         raise RecipeError(

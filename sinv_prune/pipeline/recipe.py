@@ -182,31 +182,46 @@ class HubStream(HubData):
     split: str = "train"
 
 
+class GeneratedText(Strict):
+    """``finetune.data.generate``: text the run's base (unpruned) model writes itself
+    (:mod:`sinv_prune.pipeline.teacher_text`): each block a ``prompt_tokens``-token prompt from the train
+    split continued by sampling at ``temperature`` (nucleus ``top_p``), ``batch_size`` blocks at once."""
+
+    prompt_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    batch_size: int = Field(16, gt=0)
+
+
 class FinetuneData(Strict):
     """``finetune.data``: the fine-tune's own training text, streamed and packed into ``data.seq_len`` blocks.
 
     One source: ``files`` (a text file, a list of them, or a directory whose ``*.txt`` files are read in
-    name order; relative to the recipe) or ``hub`` (:class:`HubStream`: a ``datasets`` id with ``name``,
-    ``split`` and ``text_column``). The source is read with ``datasets.load_dataset(..., streaming=True)``
-    (``streaming: false`` downloads / prepares it first), tokenised row by row and packed into
-    consecutive blocks; only as many blocks as the fine-tune's budget needs are read, in order, and kept
-    on disk under the run directory (``finetune_data/``), so every arm trains on the same blocks. A
-    stream has no length: give ``finetune.tokens`` or ``finetune.max_steps``.
+    name order; relative to the recipe), ``hub`` (:class:`HubStream`: a ``datasets`` id with ``name``,
+    ``split`` and ``text_column``) or ``generate`` (:class:`GeneratedText`: the base model writes the
+    blocks, for a causal LM where no more text is at hand). ``files`` and ``hub`` are read with
+    ``datasets.load_dataset(..., streaming=True)`` (``streaming: false`` downloads / prepares it first),
+    tokenised row by row and packed into consecutive blocks; only as many blocks as the fine-tune's budget
+    needs are read (or written), in order, and kept on disk under the run directory (``finetune_data/``),
+    so every arm trains on the same blocks. A stream has no length: give ``finetune.tokens`` or
+    ``finetune.max_steps``.
 
     .. code-block:: yaml
 
         finetune: {tokens: 2_000_000, data: {hub: {path: HuggingFaceFW/fineweb-edu, name: sample-10BT}}}
+        finetune: {tokens: 500_000, data: {generate: {prompt_tokens: 32, temperature: 1.0}}}
     """
 
     files: str | list[str] | None = None
     hub: HubStream | None = None
+    generate: GeneratedText | None = None
     streaming: bool = True
 
     @model_validator(mode="after")
     def _one_source(self):
-        given = [k for k in ("files", "hub") if getattr(self, k) is not None]
+        given = [k for k in ("files", "hub", "generate") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one source of files, hub (got {given or 'none'})")
+            raise ValueError(f"give exactly one source of files, hub, generate (got {given or 'none'})")
         if isinstance(self.files, list) and not self.files:
             raise ValueError("files: the list is empty")
         return self
@@ -472,7 +487,7 @@ class FinetuneSpec(TrainSpec):
         if self.tokens is not None and self.max_steps is not None:
             raise ValueError("give tokens or max_steps, not both (tokens sets the steps)")
         if self.data is not None and self.tokens is None and self.max_steps is None:
-            raise ValueError("data: a streamed source has no length; give tokens or max_steps")
+            raise ValueError("data: a streamed or generated source has no length; give tokens or max_steps")
         return self
 
 
