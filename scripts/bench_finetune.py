@@ -21,7 +21,10 @@ Rows (``--rows``; settings not named come from ``finetune``'s defaults, ``FINETU
 * ``live``: ``kd`` from the live teacher (the time and memory ``hidden`` is read against);
 * ``freeze``: ``kd`` training only the projections of the blocks that lost units (the pruning record says
   which); the control lost nothing, so it stays the untouched model;
-* ``lora``: ``kd`` through ``finetune.lora`` (r 16, alpha 32, every projection) at ``--lora-lr``.
+* ``lora``: ``kd`` through ``finetune.lora`` (r 16, alpha 32, every projection) at ``--lora-lr``;
+* ``gen`` / ``gen=X``: ``kd`` on text the unpruned model writes (``finetune.data.generate``: the same number
+  of blocks, each a 32-token prompt (a quarter of a block at most) from all of valid.txt continued by
+  sampling at temperature X, default 1), its own top-k cache; its ``text_s`` is the writing time.
 
 ``--json`` is rewritten after every row, with ``complete`` false until the last row has run: a run stopped
 early keeps the rows it finished.
@@ -38,6 +41,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -47,6 +51,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench_common as common  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _bench_setup import PeakMemory  # noqa: E402
 
@@ -113,10 +118,11 @@ def row_settings(row: str, args) -> dict:
         distill = {"teacher": "base", "hidden_weight": float(value or 1), "hidden_inputs": "teacher"}
     elif name == "lora":
         spec = {"learning_rate": args.lora_lr, "lora": {"r": 16, "alpha": 32.0}}
-    elif name not in ("kd", "freeze"):
+    elif name not in ("kd", "freeze", "gen"):
         raise ValueError(f"unknown row {row!r}")
     distill.setdefault("temperature", args.temperature)
-    return {"spec": {**spec, "distill": distill}, "freeze": name == "freeze"}
+    generate = {"temperature": float(value or 1)} if name == "gen" else None
+    return {"spec": {**spec, "distill": distill}, "freeze": name == "freeze", "generate": generate}
 
 
 def freeze_uncut(model) -> int:
@@ -189,17 +195,29 @@ def load_models(args):
 
 
 def data(args, tokenizer):
+    """(training blocks: the first of valid.txt, test ids, all of valid.txt: the ``gen`` rows' prompts)."""
+    n = math.ceil(args.tokens / (args.batch * args.seq_len)) * args.batch
     if args.quick:
         g = torch.Generator().manual_seed(args.seed)
-        n = math.ceil(args.tokens / (args.batch * args.seq_len)) * args.batch
-        return torch.randint(0, 512, (n, args.seq_len), generator=g), torch.randint(
-            0, 512, (args.eval_tokens,), generator=g
-        )
+        valid = torch.randint(0, 512, (2 * n * args.seq_len,), generator=g)
+        return valid[: n * args.seq_len].view(n, args.seq_len), torch.randint(0, 512, (args.eval_tokens,),
+                                                                              generator=g), valid  # fmt: skip
     from bench_criteria import stream
 
-    n = math.ceil(args.tokens / (args.batch * args.seq_len)) * args.batch
-    valid = stream("valid", tokenizer, n * args.seq_len)
-    return valid.view(n, args.seq_len), stream("test", tokenizer, args.eval_tokens)
+    valid = stream("valid", tokenizer, None)
+    return valid[: n * args.seq_len].view(n, args.seq_len), stream("test", tokenizer, args.eval_tokens), valid
+
+
+def written_blocks(teacher, prompts, settings, count: int, tokenizer, directory: Path, args) -> tuple:
+    """(``count`` blocks the teacher writes for a ``gen`` row, seconds it took)."""
+    from sinv_prune.pipeline.recipe import GeneratedText
+    from sinv_prune.pipeline.teacher_text import generated_blocks
+
+    start = time.perf_counter()
+    spec = GeneratedText(prompt_tokens=min(32, args.seq_len // 4), **settings["generate"])
+    path = generated_blocks(teacher, prompts, spec, args.seq_len, count, directory, seed=args.seed,
+                            eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    return torch.from_numpy(np.load(path)), round(time.perf_counter() - start, 1)
 
 
 def main(argv=None) -> int:
@@ -224,7 +242,7 @@ def run(argv=None) -> int:
         info, result = begun
     base, pruned, tokenizer, name = load_models(args)
     teacher = copy.deepcopy(base).eval().requires_grad_(False)
-    blocks, test_ids = data(args, tokenizer)
+    blocks, test_ids, prompts = data(args, tokenizer)
     print(
         f"model: {name} ({sinv_prune.count_parameters(pruned):,} of {sinv_prune.count_parameters(base):,} parameters)"
     )
@@ -237,18 +255,26 @@ def run(argv=None) -> int:
     print(f"before: unpruned {before['control']:.2f}, pruned {before['pruned']:.2f} "
           f"({before['pruned'] / before['control']:.3f}x); Paris: {before['paris']}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        caches = {}
+        caches, texts = {}, {}
         rows = []
         result.update(before=before, rows=rows, model=name, complete=False)
         for row in args.rows:
             settings = row_settings(row, args)
             T = settings["spec"]["distill"]["temperature"]  # noqa: N806
-            if settings["spec"]["distill"].get("cache_top_k") and T not in caches:
-                caches[T] = build_cache(teacher, blocks, Path(tmp) / f"cache{T}", k=args.k, temperature=T, batch_size=4)
             out = {"row": row, "settings": settings}
+            text = json.dumps(settings["generate"], sort_keys=True)
+            if settings["generate"] and text not in texts:
+                texts[text] = written_blocks(teacher, prompts, settings, len(blocks), tokenizer, Path(tmp), args)
+            rows_blocks = texts[text][0] if settings["generate"] else blocks
+            if settings["generate"]:
+                out["text_s"] = texts[text][1]
+            if settings["spec"]["distill"].get("cache_top_k") and (T, text) not in caches:
+                caches[T, text] = build_cache(teacher, rows_blocks, Path(tmp) / f"cache{T}", k=args.k, temperature=T,
+                                              batch_size=4)  # fmt: skip
             for which in args.models.split(","):
                 model = copy.deepcopy(base if which == "control" else pruned).train()
-                out[which] = fine_tune(model, teacher, caches.get(T), tokenizer, Blocks(blocks), settings, args)
+                out[which] = fine_tune(model, teacher, caches.get((T, text)), tokenizer, Blocks(rows_blocks), settings,
+                                       args)  # fmt: skip
                 out[which]["ppl"] = ppl(model, test_ids, args)
                 out[which]["paris"] = knows_paris(model, tokenizer)
                 del model

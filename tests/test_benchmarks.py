@@ -566,20 +566,24 @@ def test_bench_finetune_quick(tmp_path, capsys):
         "freeze",
         "hidden=1",
         "forced=1",
+        "gen",
         "--json",
         str(tmp_path / "f.json"),
     ]
     result, out = _run("bench_finetune", argv, capsys)
     _header(out, "bench_finetune", argv)
     rows = {r["row"]: r for r in result["rows"]}
-    assert list(rows) == ["kd", "old", "freeze", "hidden=1", "forced=1"]
+    assert list(rows) == ["kd", "old", "freeze", "hidden=1", "forced=1", "gen"]
+    # the gen row trains as long on other text (the teacher's own): another model, its writing time kept
+    assert rows["gen"]["settings"]["generate"] == {"temperature": 1.0} and rows["gen"]["text_s"] > 0
+    assert rows["gen"]["pruned"]["steps"] == 4 and rows["gen"]["pruned"]["ppl"] != rows["kd"]["pruned"]["ppl"]
     assert rows["forced=1"]["settings"]["spec"]["distill"]["hidden_inputs"] == "teacher"
     # the two hidden-state rows train the same model on different losses: different perplexities
     assert rows["forced=1"]["pruned"]["ppl"] != rows["hidden=1"]["pruned"]["ppl"]
     assert rows["old"]["settings"]["spec"]["lr_scheduler"] == "constant"
     # every row distils at distill's default temperature (1) but the old recipe's row (2)
     assert {r: rows[r]["settings"]["spec"]["distill"]["temperature"] for r in rows} == {
-        "kd": 1.0, "old": 2.0, "freeze": 1.0, "hidden=1": 1.0, "forced=1": 1.0}  # fmt: skip
+        "kd": 1.0, "old": 2.0, "freeze": 1.0, "hidden=1": 1.0, "forced=1": 1.0, "gen": 1.0}  # fmt: skip
     # freezing what was not cut leaves the control (nothing cut) as it was: its perplexity is the unpruned one
     assert rows["freeze"]["control"]["trainable"] == 0
     assert rows["freeze"]["control"]["ppl"] == pytest.approx(result["before"]["control"], rel=1e-6)
