@@ -5,6 +5,12 @@ The recipe pipeline runs every stage on the main process and only training on ev
 group is accelerate's :class:`~accelerate.PartialState`, the one the Trainer uses too: ``gloo``
 when the run's device is the CPU, ``nccl`` on CUDA. Without a launcher (no ``WORLD_SIZE`` > 1)
 nothing is initialised and every helper here is a no-op.
+
+While the main process works alone (scoring, a ``shrink`` search, a teacher cache, the evaluation:
+hours on a large model) the other processes wait in a collective, which torch gives up on after the
+process group's timeout (30 minutes for gloo, 10 for NCCL by default). The group is made with
+:data:`TIMEOUT_S` (``SINV_PRUNE_DDP_TIMEOUT``, seconds; default 24 hours) instead: a process that dies
+still stops the launch at once (``torchrun`` ends the others).
 """
 
 from __future__ import annotations
@@ -15,6 +21,25 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+#: Seconds a collective may wait (the process group's timeout), from ``SINV_PRUNE_DDP_TIMEOUT``.
+TIMEOUT_S = 24 * 3600
+
+
+def timeout_s() -> float:
+    """The process group's timeout in seconds: ``SINV_PRUNE_DDP_TIMEOUT`` or :data:`TIMEOUT_S`."""
+    given = os.environ.get("SINV_PRUNE_DDP_TIMEOUT")
+    if given is None:
+        return TIMEOUT_S
+    try:
+        value = float(given)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        from sinv_prune.pipeline.recipe import RecipeError  # bad input before any work: the CLI's exit code 2
+
+        raise RecipeError(f"SINV_PRUNE_DDP_TIMEOUT: {given!r} is not a positive number of seconds")
+    return value
 
 
 def launched() -> bool:
@@ -33,10 +58,12 @@ class Ranks:
     def __init__(self, device: str = "cpu"):
         self._state = None
         if launched():
+            from datetime import timedelta
+
             from accelerate import PartialState
 
             # cpu=True makes accelerate pick gloo, as TrainingArguments(use_cpu=True) does.
-            self._state = PartialState(cpu=str(device) == "cpu")
+            self._state = PartialState(cpu=str(device) == "cpu", timeout=timedelta(seconds=timeout_s()))
 
     @property
     def world_size(self) -> int:
