@@ -234,6 +234,8 @@ def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str
         what = "; ".join(f"{p.criterion} {p.unit}, amount {p.amount}, {p.mode}" for p in arm.part_specs)
         if arm.control:
             what = "prunes nothing (the control: the base, fine-tuned and evaluated like every arm)"
+        elif arm.pruned is not None:
+            what = f"loads the pruned checkpoint {arm.pruned}"
         elif arm.auto is not None:
             a = arm.auto
             size = (

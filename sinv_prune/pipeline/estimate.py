@@ -454,6 +454,8 @@ def _curve_s(recipe: Recipe, probe: Probe, tokens: dict[str, int], steps: int) -
 def _prune_row(recipe: Recipe, arm, probe: Probe, tokens: dict[str, int], copy_save: float) -> Row:
     """Copy, cut and save; plus compensation (every round) and the re-scoring of rounds after the first."""
     seconds, what = copy_save, "copy the base model, cut, save"
+    if arm.pruned is not None:
+        return Row(f"prune {arm.label}", copy_save, f"load {arm.pruned}, save")
     if arm.compensate is not None:
         calibration = arm.compensate.batches * arm.compensate.batch_size * recipe.data.seq_len
         seconds += arm.rounds * COMPENSATION_FORWARDS[arm.compensate.method] * probe.forward(calibration)
@@ -664,7 +666,7 @@ def prune_memory(recipe: Recipe, device: str):
     offload = getattr(recipe.model, "offload", None) or "none"
     best = None
     for arm in recipe.prune.arms:
-        if arm.control:
+        if arm.control or arm.pruned is not None:
             continue
         if arm.auto is not None:
             task, options, flag = "shrink", {"sequences": arm.auto.batches, "refine": arm.auto.refine}, "auto.batches"

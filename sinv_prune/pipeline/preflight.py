@@ -131,6 +131,48 @@ def check_finetune(recipe: Recipe, model) -> None:
         raise RecipeError(f"finetune.distill.cache_top_k: {k} is more than the model's vocabulary ({vocab} tokens)")
 
 
+#: The pruning record's fields that say what the model was before it was pruned.
+ORIGIN_FIELDS = ("base_class", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                 "num_experts", "expert_width", "shared_expert_width")  # fmt: skip
+
+
+def check_loaded_arms(recipe: Recipe, adapter) -> None:
+    """Each ``pruned: DIR`` arm's checkpoint was pruned from this recipe's model: a sinv_prune pruning record
+    whose original shapes, vocabulary and width are the starting model's (read from the config alone)."""
+    import json
+
+    from sinv_prune.surgery.record import RECORD_KEY, PruningRecord
+    from sinv_prune.surgery.removal import _fresh_record
+
+    for i, arm in enumerate(recipe.prune.arms):
+        if arm.pruned is None:
+            continue
+        where = f"prune.arms[{i}].pruned"
+        if recipe.model.scratch:
+            raise RecipeError(f"{where}: the recipe trains its model from scratch, so no checkpoint was pruned from it")
+        path = Path(recipe.resolve(arm.pruned))
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            raise RecipeError(f"{where}: {path} holds no model (no readable config.json)") from None
+        if not config.get(RECORD_KEY):
+            raise RecipeError(f"{where}: {path} is not a pruned model (its config has no sinv_prune record)")
+        try:
+            record = PruningRecord.from_json(config[RECORD_KEY])
+        except ValueError as err:
+            raise RecipeError(f"{where}: {err}") from None
+        base = _fresh_record(adapter.model, adapter)
+        differ = [f"{k} {getattr(record, k)} (the recipe's model: {getattr(base, k)})" for k in ORIGIN_FIELDS
+                  if getattr(record, k) is not None and getattr(record, k) != getattr(base, k)]  # fmt: skip
+        base_config = adapter.model.config
+        for key in ("vocab_size", "hidden_size"):
+            mine = getattr(base_config, key, None)
+            if key in config and mine is not None and config[key] != mine:
+                differ.append(f"{key} {config[key]} (the recipe's model: {mine})")
+        if differ:
+            raise RecipeError(f"{where}: {path} was not pruned from the recipe's model: {'; '.join(differ)}")
+
+
 def arm_parts(recipe: Recipe):
     """``(key path, part)`` for every part of every arm: ``prune.arms[1]`` or ``prune.arms[1].parts[0]``."""
     for i, arm in enumerate(recipe.prune.arms):
@@ -178,6 +220,7 @@ def preflight(recipe: Recipe) -> list[HeadLayout]:
     check_compensation(recipe, adapter)
     check_recipe_tasks(recipe, is_masked_lm(adapter.model))
     check_finetune(recipe, adapter.model)
+    check_loaded_arms(recipe, adapter)
     check_export(recipe, adapter)
     check_auto(recipe, adapter)
     layouts = [adapter.layout(i) for i in range(adapter.num_layers)]

@@ -746,6 +746,13 @@ class ArmSpec(Strict):
     ``control: true`` prunes nothing: the unpruned model goes through ``finetune`` (the same tokens,
     teacher and settings as every arm) and ``evaluate`` as an arm, so a pruned arm's recovery can be
     read against what the fine-tune alone does to the model (name ``control`` unless ``name`` is given).
+
+    ``pruned: DIR`` prunes nothing either: the arm's model is a pruned checkpoint of this recipe's model
+    saved earlier (``sinv-prune shrink``'s output, another run's ``arms/NAME/pruned``, any
+    ``save_pretrained`` of a model sinv_prune pruned; relative to the recipe), copied into the run and
+    fine-tuned and evaluated like every arm (name ``loaded-<DIR's name>`` unless ``name`` is given)::
+
+        - {pruned: runs/shrink25, name: shrink25}
     """
 
     name: str | None = None
@@ -766,6 +773,7 @@ class ArmSpec(Strict):
     rounds: int = Field(1, ge=1)
     auto: AutoSpec | None = None
     control: bool = False
+    pruned: str | None = None
 
     _unit = field_validator("unit")(_registered_unit)
 
@@ -776,6 +784,11 @@ class ArmSpec(Strict):
 
     @model_validator(mode="after")
     def _one_form(self):
+        if self.pruned is not None:
+            given = _given(self, (*PART_KEYS, "parts", "compensate", "rounds", "auto", "control"))
+            if given:
+                raise ValueError(f"a 'pruned' arm loads its cut; drop {', '.join(given)}")
+            return self
         if self.control:
             given = _given(self, (*PART_KEYS, "parts", "compensate", "rounds", "auto"))
             if given:
@@ -818,7 +831,7 @@ class ArmSpec(Strict):
     def part_specs(self) -> list[PartSpec]:
         """What the arm removes, one :class:`PartSpec` per part (one for the single-part form; none for ``auto``
         or a control)."""
-        if self.auto is not None or self.control:
+        if self.auto is not None or self.control or self.pruned is not None:
             return []
         return list(self.parts) if self.parts is not None else [self.single_part()]
 
@@ -827,28 +840,34 @@ class ArmSpec(Strict):
         """The units the arm removes, in part order without repeats."""
         if self.auto is not None:
             return list(self.auto.units or ["auto"])  # omitted: shrink searches every unit the model has
-        if self.control:
+        if self.control or self.pruned is not None:
             return []
         return list(dict.fromkeys(p.unit for p in self.part_specs))
 
     @property
     def heads_only(self) -> bool:
         """A single-part heads arm (what :class:`sinv_prune.HeadPruner` runs)."""
-        return self.parts is None and self.auto is None and not self.control and get_unit(self.unit) is HEADS
+        return (self.parts is None and self.auto is None and not self.control and self.pruned is None
+                and get_unit(self.unit) is HEADS)  # fmt: skip
 
     @property
     def criterion_names(self) -> str:
-        """The criterion, or the parts' criteria joined by ``+`` (``auto``: ``shrink``; a control: ``none``)."""
+        """The criterion, or the parts' criteria joined by ``+`` (``auto``: ``shrink``; a control: ``none``;
+        ``pruned``: ``loaded``)."""
         if self.auto is not None:
             return "shrink"
         if self.control:
             return "none"
+        if self.pruned is not None:
+            return "loaded"
         return "+".join(p.criterion for p in self.part_specs)
 
     @property
     def label(self) -> str:
         if self.control:
             return self.name or "control"
+        if self.pruned is not None:
+            return self.name or f"loaded-{Path(self.pruned).name}"
         if self.auto is not None:
             return self.name or self.auto.label
         if self.parts is None:

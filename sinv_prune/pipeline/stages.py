@@ -471,6 +471,9 @@ def stage_prune(run: Run) -> None:
         state = run.dir.arm(arm.label)
         if state.get("pruned"):
             continue
+        if arm.pruned is not None:
+            _loaded_arm(run, arm, state)
+            continue
         model = fresh_base(run)
         calibration = _calibration_batches(run, arm.compensate) if arm.compensate else None
         if arm.control:
@@ -495,18 +498,11 @@ def stage_prune(run: Run) -> None:
                 state["allocation"] = pruner.last_allocation
         path = run.root / "arms" / _safe(arm.label) / "pruned"
         _save_model(model, run.tokenizer, path)
-        record = getattr(model.config, "sinv_prune", None) or {}  # a control arm's model has no record
         state.update(
             pruned=True,
             criterion=arm.criterion_names,
             **{f"{u.plural}_removed": u.count(summary.removed(u.name)) for u in registered_units()},
-            removed=record.get("pruned_heads", {}),
-            removed_channels={
-                layer: len(c)  # dense channels, or (MoE layers) those inside the experts
-                for layer, c in {**record.get("pruned_mlp", {}), **record.get("pruned_expert_channels", {})}.items()
-            },
-            removed_experts=record.get("pruned_experts", {}),
-            removed_layers=record.get("removed_layers", []),
+            **_removed_fields(model),
             pruned_dir=str(path.relative_to(run.root)),
         )
         if summary.compensation is not None:
@@ -518,6 +514,42 @@ def stage_prune(run: Run) -> None:
         del model, summary, calibration
         release()
     run.dir.finish("prune")
+
+
+def _removed_fields(model) -> dict[str, Any]:
+    """What the model's pruning record says it lost (original numbering, JSON keys), for the arm's state."""
+    record = getattr(model.config, "sinv_prune", None) or {}  # a control arm's model has no record
+    channels = {**record.get("pruned_mlp", {}), **record.get("pruned_expert_channels", {})}
+    return {
+        "removed": record.get("pruned_heads", {}),
+        "removed_channels": {layer: len(c) for layer, c in channels.items()},  # dense, or inside the experts
+        "removed_experts": record.get("pruned_experts", {}),
+        "removed_layers": record.get("removed_layers", []),
+    }
+
+
+def _loaded_arm(run: Run, arm: ArmSpec, state: dict) -> None:
+    """A ``pruned: DIR`` arm: the checkpoint (checked against the base in preflight) copied into the run as
+    the arm's pruned model, what it removed read from its pruning record."""
+    from sinv_prune.surgery.record import get_record
+
+    model = load_saved(run, Path(run.recipe.resolve(arm.pruned)))
+    record = get_record(model.config)
+    path = run.root / "arms" / _safe(arm.label) / "pruned"
+    _save_model(model, run.tokenizer, path)
+    state.update(
+        pruned=True,
+        criterion=arm.criterion_names,
+        loaded_from=str(Path(run.recipe.resolve(arm.pruned)).resolve()),
+        **{f"{u.plural}_removed": u.count(u.recorded(record)) for u in registered_units()},
+        **_removed_fields(model),
+        pruned_dir=str(path.relative_to(run.root)),
+    )
+    run.dir.save()
+    logger.info("arm %s: loaded %s (removed %s) -> %s", arm.label, arm.pruned, removed_text(state), path,
+                extra=CONSOLE)  # fmt: skip
+    del model
+    release()
 
 
 def _shrink_arm(run: Run, arm: ArmSpec, model, state: dict):
@@ -758,6 +790,7 @@ def stage_evaluate(run: Run) -> dict:
             "model_dir": state["pruned_dir"],
             "score_report": scores.get(criterion_key(arm), {}).get("report", {}) if arm.part_specs else {},
             "shrink": state.get("shrink"),
+            "loaded_from": state.get("loaded_from"),  # a ``pruned: DIR`` arm's checkpoint
         }
         del pruned
         if state.get("finetuned"):
