@@ -329,6 +329,21 @@ def test_refine_keeps_the_better_build_and_it_reloads(tmp_path):
     torch.testing.assert_close(logits(sinv_prune.from_pretrained(tmp_path), ids), logits(model, ids))
 
 
+def test_refine_shows_the_sequential_builds_progress(monkeypatch, caplog):
+    """The block-by-block build (half of a refine's time on SmolLM2) logs notes with an ETA under a recipe;
+    quiet, it says nothing."""
+    from sinv_prune import progress
+
+    monkeypatch.setattr(progress, "NOTE_EVERY_S", 0.0)  # a note at every update
+    with progress.progress_mode("notes"), caplog.at_level("INFO", logger="sinv_prune"):
+        run(tiny_llama(), share=0.35, refine=True, units=("heads", "mlp"), quiet=False)
+        loud = [r.getMessage() for r in caplog.records if r.getMessage().startswith("obs compensation: ")]
+        caplog.clear()
+        run(tiny_llama(), share=0.35, refine=True, units=("heads", "mlp"), quiet=True)
+        quiet = [r.getMessage() for r in caplog.records if "compensation" in r.getMessage()]
+    assert loud and all(" block, " in line and ", ETA " in line for line in loud) and not quiet, loud
+
+
 @pytest.mark.parametrize("stock", [True, False])
 def test_shrunk_models_pass_the_llama_cpp_round_trip(tmp_path, stock):
     pytest.importorskip("llama_cpp")

@@ -290,7 +290,7 @@ def shrink(
     if refine:
         seconds["compare and build"] = time.perf_counter() - t
         t = time.perf_counter()
-        sequential, summary = _sequential_build(model, plan, seqs)
+        sequential, summary = _sequential_build(model, plan, seqs, progress=not quiet)
         ppl["sequential"] = math.exp(_model_ce(sequential, held_seqs))
         seconds["sequential refit"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -442,7 +442,7 @@ def widths(genome: Genome, space: Space, adapter) -> list[dict]:
     return out
 
 
-def _sequential_build(model: nn.Module, plan: dict, seqs: list[torch.Tensor]):
+def _sequential_build(model: nn.Module, plan: dict, seqs: list[torch.Tensor], progress: bool = False):
     """A copy of ``model`` cut by ``plan``: blocks (and experts) dropped first, then heads and channels by
     sequential OBS compensation on ``seqs`` (its own held-out guard; each consumer fitted to the unpruned residual
     stream after it where the blocks are pre-norm, ``target="residual"``); the copy and the summary of the cut."""
@@ -454,7 +454,7 @@ def _sequential_build(model: nn.Module, plan: dict, seqs: list[torch.Tensor]):
     rest = {u: {shift[layer]: v for layer, v in plan[u].items()} for u in (HEADS.name, MLP.name) if u in plan}
     batches = [{"input_ids": torch.stack(seqs[i : i + 4])} for i in range(0, len(seqs), 4)]
     target = "residual" if get_adapter(other).residual_norms() else "output"
-    summary = prune(other, rest, calibration=batches, compensate="obs", target=target)
+    summary = prune(other, rest, calibration=batches, compensate="obs", target=target, progress=progress)
     if first is not None:
         summary.params_before = first.params_before
         summary.removed_layers, summary.removed_layers_original = first.removed_layers, first.removed_layers_original

@@ -261,16 +261,20 @@ def compensate(
     store: Store | None = None,
     after_block: Callable[[], None] | None = None,
     target: str = "output",
+    progress: bool = False,
 ) -> CompensationReport:
     """Apply every cut block by block, refitting each consumer on the student stream (see the module doc).
 
     ``store`` keeps the plainly pruned weights of the refitted consumers (default: a host store of
     its own); ``after_block()`` is called once each block is cut and refitted (prune's rollback
-    moves that block's old weights into its store then).
+    moves that block's old weights into its store then); ``progress``: a bar over the blocks.
     """
+    from sinv_prune.progress import bar
+
     if store is None:
         with Store("cpu") as own:
-            return compensate(model, adapter, cuts, inputs, method, ridge, precision, own, after_block, target)
+            return compensate(model, adapter, cuts, inputs, method, ridge, precision, own, after_block, target,
+                              progress)  # fmt: skip
     start = time.perf_counter()
     tokens = sum(i.tokens for i in inputs)
     held = sum(int(i.heldout.sum()) for i in inputs if i.heldout is not None)
@@ -283,7 +287,7 @@ def compensate(
     options = _Options(method, ridge, PRECISIONS[precision], held > 0)
     teacher, student, residual = [i.hidden for i in inputs], None, target == "residual"
     with torch.no_grad(), Turns() as turn:
-        for index in range(last + 1):
+        for index in bar(range(last + 1), desc=f"{method} compensation", unit="block", disable=not progress):
             block, layer_cuts = blocks[index], cuts.get(index, [])
             turn(block)  # an offloaded block's weights come in for its turn; what changed goes back after
             targets = None
@@ -549,10 +553,12 @@ def run_compensation(
     store: Store | None = None,
     after_block: Callable[[], None] | None = None,
     target: str = "output",
+    progress: bool = False,
 ) -> CompensationReport:
     """Add biases when asked, then :func:`compensate` in eval mode without gradients (modes restored)."""
     added = add_attention_biases(model, adapter) if add_bias else False
     with preserve_modes(model):
-        report = compensate(model, adapter, cuts, inputs, method, ridge, precision, store, after_block, target)
+        report = compensate(model, adapter, cuts, inputs, method, ridge, precision, store, after_block, target,
+                            progress)  # fmt: skip
     report.bias_added = added
     return report

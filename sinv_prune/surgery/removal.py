@@ -191,6 +191,7 @@ def prune(
     offload: str = "none",
     offload_folder: str | None = None,
     target: str = "output",
+    progress: bool = False,
 ) -> PruneSummary:
     """Remove attention heads, MLP channels and whole blocks from ``model`` in place, through one plan.
 
@@ -243,7 +244,7 @@ def prune(
     instead of the unpruned consumer's output: the teacher's output plus the teacher's residual less the
     student's, so each refit also makes up for the error the blocks before it left (its block then reproduces
     the unpruned block's output as closely as least squares can); consumers with no such norm (MoE MLPs) keep
-    the output target.
+    the output target. ``progress``: a bar over the compensation's blocks (notes in a recipe's log).
     ``precision`` is the dtype of the statistics' products (float32, summed in float64; or
     float64). ``compensate="bias"``
     (FLAP) adds the removed units' mean contribution on the unpruned model to the consumer's
@@ -291,7 +292,7 @@ def prune(
     snapshot = _Snapshot.take(model, adapter, checked, held, all_attention=bool(add_bias and compensate))
     ledger = Ledger()  # writes to offloaded blocks' weight maps, undone with the snapshot
     try:
-        options = (compensate, ridge, add_bias, precision, target)
+        options = (compensate, ridge, add_bias, precision, target, progress)
         with ledger.active():
             changes, report = _cut(model, adapter, record, checked, inputs, options, snapshot)
         origin = record.kept_layers()
@@ -320,11 +321,11 @@ def _cut(model, adapter, record, plan: _Plan, inputs, options, snapshot: _Snapsh
     """Slice every per-layer unit's entry (compensating when asked), updating ``record``; the changes
     per summary field and the compensation report.
 
-    ``options`` is ``(compensate, ridge, add_bias, precision, target)``. OBS may change which units go, so
+    ``options`` is ``(compensate, ridge, add_bias, precision, target, progress)``. OBS may change which units go, so
     the record and the changes are written from the plan after compensation. After each block is cut,
     the old weights the rollback keeps of it move into its store (:meth:`_Snapshot.spill`).
     """
-    compensate, ridge, add_bias, precision, target = options
+    compensate, ridge, add_bias, precision, target, progress = options
     report = None
     entries = plan.per_layer()
     if compensate:
@@ -341,7 +342,7 @@ def _cut(model, adapter, record, plan: _Plan, inputs, options, snapshot: _Snapsh
                 cuts.setdefault(layer, []).extend(cut)
         report = compensation.run_compensation(
             model, adapter, dict(sorted(cuts.items())), inputs, compensate, ridge, add_bias, precision,
-            snapshot.store, snapshot.spill, target,
+            snapshot.store, snapshot.spill, target, progress=progress,
         )  # fmt: skip
     else:
         blocks = adapter.layers()
