@@ -366,5 +366,5 @@ def test_arm_pruner_maps_every_part_onto_the_pruner(monkeypatch):
     assert second["criterion"] is channels and channels.units == ("mlp",) and "min_per_layer" not in second
     assert (made["rounds"], made["compensate"]) == (1, "lsq")
     assert made["compensation_options"] == {"add_bias": False, "ridge": 0.1, "holdout": 0.125, "precision": "float32",
-                                            "target": "output"}  # fmt: skip
+                                            "target": "output", "progress": True}  # fmt: skip  # no run: not quiet
     assert stored.compute(None) == [[1.0, 2.0]] and stored.report() == {"note": 1}
