@@ -350,9 +350,8 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
     criteria = [c if c is not None else part_criterion(p) for p, c in zip(parts, given, strict=True)]
     options = arm.compensate.prune_options() if arm.compensate else {}
     compensate = options.pop("compensate", None)
-    quiet = run is not None and run.quiet
-    if compensate is not None:
-        options["progress"] = not quiet  # the block-by-block refit: notes with an ETA in the run's log
+    if compensate is not None:  # the block-by-block refit: notes with an ETA in the run's log
+        options["progress"] = not (run is not None and run.quiet)
     if arm.heads_only and parts[0].allocation == "uniform" and not isinstance(parts[0].amount, dict):
         part = parts[0]
         return HeadPruner(
@@ -372,6 +371,7 @@ def arm_pruner(run: Run, arm: ArmSpec, criteria: list[Criterion | None] | None =
         if part.allocation != "uniform":
             extra.update(allocation=part.allocation, allocation_options=part.allocation_options or None)
         built.append(Part(part.unit, criterion, part.amount, mode=part.mode, seed=part.seed, **extra))
+    quiet = run is not None and run.quiet
     return Pruner(built, rounds=arm.rounds, compensate=compensate, compensation_options=options, quiet=quiet)
 
 
