@@ -8,21 +8,15 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from test_pipeline import TINY
 
 import sinv_prune
 from sinv_prune.cli import main
 
 FIRST = {
+    **TINY,
     "name": "first",
-    "seed": 0,
-    "model": {"architecture": "gpt2", "config": {"n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64}},
-    "data": {
-        "synthetic": {"seed": 0, "num_train": 200, "num_valid": 30, "num_test": 30},
-        "tokenizer": {"kind": "word"},
-        "seq_len": 32,
-    },  # fmt: skip
     "train": {"max_steps": 6, "batch_size": 8, "learning_rate": 0.003},
-    "score": {"batches": 2, "batch_size": 4},
     "prune": {
         "arms": [
             {
@@ -33,6 +27,7 @@ FIRST = {
             }
         ]
     },  # fmt: skip
+    "finetune": None,
     "evaluate": {"speed": False, "prompts": []},
 }
 
