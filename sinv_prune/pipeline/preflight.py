@@ -142,7 +142,7 @@ def check_loaded_arms(recipe: Recipe, adapter) -> None:
     import json
 
     from sinv_prune.surgery.record import RECORD_KEY, PruningRecord
-    from sinv_prune.surgery.removal import _fresh_record
+    from sinv_prune.surgery.removal import fresh_record
 
     for i, arm in enumerate(recipe.prune.arms):
         if arm.pruned is None:
@@ -161,7 +161,7 @@ def check_loaded_arms(recipe: Recipe, adapter) -> None:
             record = PruningRecord.from_json(config[RECORD_KEY])
         except ValueError as err:
             raise RecipeError(f"{where}: {err}") from None
-        base = _fresh_record(adapter.model, adapter)
+        base = fresh_record(adapter.model, adapter)
         differ = [f"{k} {getattr(record, k)} (the recipe's model: {getattr(base, k)})" for k in ORIGIN_FIELDS
                   if getattr(record, k) is not None and getattr(record, k) != getattr(base, k)]  # fmt: skip
         base_config = adapter.model.config

@@ -501,7 +501,7 @@ def _current_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
     """The model's record (records from before MLP pruning get their MLP width), or a fresh one."""
     record = get_record(model.config)
     if record is None:
-        return _fresh_record(model, adapter)
+        return fresh_record(model, adapter)
     if len(record.kept_layers()) != adapter.num_layers:
         raise ValueError(
             f"the pruning record keeps {len(record.kept_layers())} layers but the model has {adapter.num_layers}"
@@ -521,7 +521,8 @@ def _uniform_width(adapter: HeadAdapter) -> int | None:
     return next(iter(widths), None)
 
 
-def _fresh_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
+def fresh_record(model: nn.Module, adapter: HeadAdapter) -> PruningRecord:
+    """The record an unpruned ``model`` would start with (its original shapes, nothing removed)."""
     layouts = {adapter.layout(i) for i in range(adapter.num_layers)}
     if len(layouts) != 1:
         raise ValueError("model has different head counts per layer but no sinv_prune record in its config")
