@@ -535,14 +535,15 @@ def _loaded_arm(run: Run, arm: ArmSpec, state: dict) -> None:
     the arm's pruned model, what it removed read from its pruning record."""
     from sinv_prune.surgery.record import get_record
 
-    model = load_saved(run, Path(run.recipe.resolve(arm.pruned)))
+    source = Path(run.recipe.resolve(arm.pruned))
+    model = load_saved(run, source)
     record = get_record(model.config)
     path = run.root / "arms" / _safe(arm.label) / "pruned"
     _save_model(model, run.tokenizer, path)
     state.update(
         pruned=True,
         criterion=arm.criterion_names,
-        loaded_from=str(Path(run.recipe.resolve(arm.pruned)).resolve()),
+        loaded_from=str(source.resolve()),
         **{f"{u.plural}_removed": u.count(u.recorded(record)) for u in registered_units()},
         **_removed_fields(model),
         pruned_dir=str(path.relative_to(run.root)),

@@ -33,7 +33,7 @@ def prompt_starts(n_ids: int, prompt_tokens: int, count: int) -> list[int]:
     room = n_ids - prompt_tokens
     if room < 0:
         raise ValueError(f"finetune.data.generate: the prompts' text has {n_ids} tokens, fewer than prompt_tokens")
-    return [int(i * room / max(count - 1, 1)) for i in range(count)] if count > 1 else [0]
+    return [int(i * room / (count - 1)) for i in range(count)] if count > 1 else [0]
 
 
 def generated_key(spec, model, ids: torch.Tensor, seq_len: int, count: int, seed: int) -> str:
