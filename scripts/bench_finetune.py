@@ -26,6 +26,11 @@ Rows (``--rows``; settings not named come from ``finetune``'s defaults, ``FINETU
   of blocks, each a 32-token prompt (a quarter of a block at most) from all of valid.txt continued by
   sampling at temperature X, default 1), its own top-k cache; its ``text_s`` is the writing time.
 
+The blocks are drawn in a new random order every epoch (``finetune.shuffle``, the default); ``--in-order``
+reads them in the text's order, as every row of docs/benchmarks.md section 15 before its "shuffled" block did.
+``--teacher DIR`` distils both models from that checkpoint instead of the unpruned model (a fine-tuned
+control as the teacher: Minitron's "teacher correction"); the control still starts from the unpruned model.
+
 ``--json`` is rewritten after every row, with ``complete`` false until the last row has run: a run stopped
 early keeps the rows it finished.
 
@@ -75,11 +80,21 @@ def parse(argv):
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--k", type=int, default=64, help="distill.cache_top_k of the cached rows")
+    ap.add_argument("--cache-dtype", default="float16", choices=["float16", "float32"],
+                    help="distill.cache_dtype of the cached rows")  # fmt: skip
     ap.add_argument("--temperature", type=float, default=DistillSpec.model_fields["temperature"].default,
                     help="distill.temperature of every row but T=X (default: distill's default)")  # fmt: skip
     ap.add_argument("--lr", type=float, help="learning rate of the method rows (default: finetune's default)")
+    ap.add_argument("--teacher", type=Path,
+                    help="distil from this checkpoint instead of the unpruned model (e.g. a fine-tuned control: "
+                         "Minitron's teacher correction); the control still starts unpruned")  # fmt: skip
     ap.add_argument("--lora-lr", type=float, default=5e-4)
     ap.add_argument("--bf16", action="store_true", help="finetune.bf16 (mixed precision)")
+    ap.add_argument(
+        "--in-order",
+        action="store_true",
+        help="finetune.shuffle false: the blocks in the text's order (as every row before it was)",
+    )
     ap.add_argument("--models", default="control,pruned", help="which of the two to train per row")
     ap.add_argument("--quick", action="store_true", help="a tiny random LLaMA: tests the script only")
     ap.add_argument("--threads", type=int, default=2)
@@ -101,7 +116,7 @@ def parse(argv):
 def row_settings(row: str, args) -> dict:
     """``{"spec": FinetuneSpec keys, "freeze": bool}`` of one row name (see the module docstring)."""
     name, _, value = row.partition("=")
-    distill = {"teacher": "base", "cache_top_k": args.k}
+    distill = {"teacher": "base", "cache_top_k": args.k, "cache_dtype": args.cache_dtype}
     spec = {"learning_rate": args.lr} if args.lr else {}
     if name == "lr":
         spec = {"learning_rate": float(value)}
@@ -146,6 +161,7 @@ def freeze_uncut(model) -> int:
 def fine_tune(model, teacher, cache, tokenizer, blocks, settings, args) -> dict:
     """Train ``model`` in place per ``settings``; its training time, tokens per second and added peak memory."""
     spec = FinetuneSpec(tokens=args.tokens, batch_size=args.batch, save_every=10**9, bf16=args.bf16,
+                        shuffle=not args.in_order,
                         **settings["spec"])  # fmt: skip
     trainable = None
     if settings["freeze"]:
@@ -241,7 +257,8 @@ def run(argv=None) -> int:
     else:
         info, result = begun
     base, pruned, tokenizer, name = load_models(args)
-    teacher = copy.deepcopy(base).eval().requires_grad_(False)
+    teacher = (sinv_prune.from_pretrained(args.teacher) if args.teacher else copy.deepcopy(base)).eval()
+    teacher.requires_grad_(False)
     blocks, test_ids, prompts = data(args, tokenizer)
     print(
         f"model: {name} ({sinv_prune.count_parameters(pruned):,} of {sinv_prune.count_parameters(base):,} parameters)"
@@ -252,6 +269,9 @@ def run(argv=None) -> int:
     )
     before = {"control": ppl(base, test_ids, args), "pruned": ppl(pruned, test_ids, args),
               "paris": {"control": knows_paris(base, tokenizer), "pruned": knows_paris(pruned, tokenizer)}}  # fmt: skip
+    if args.teacher:
+        before["teacher"] = ppl(teacher, test_ids, args)
+        print(f"teacher: {args.teacher} (perplexity {before['teacher']:.2f})")
     print(f"before: unpruned {before['control']:.2f}, pruned {before['pruned']:.2f} "
           f"({before['pruned'] / before['control']:.3f}x); Paris: {before['paris']}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,6 +290,7 @@ def run(argv=None) -> int:
                 out["text_s"] = texts[text][1]
             if settings["spec"]["distill"].get("cache_top_k") and (T, text) not in caches:
                 caches[T, text] = build_cache(teacher, rows_blocks, Path(tmp) / f"cache{T}", k=args.k, temperature=T,
+                                              dtype=args.cache_dtype,
                                               batch_size=4)  # fmt: skip
             for which in args.models.split(","):
                 model = copy.deepcopy(base if which == "control" else pruned).train()

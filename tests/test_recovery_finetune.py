@@ -185,6 +185,49 @@ def test_training_from_a_full_vocabulary_cache_is_training_from_the_live_teacher
     assert not any(torch.equal(a, b) for a, b in zip(student.parameters(), twin.parameters(), strict=True))
 
 
+class RecordingCache(TeacherCache):
+    """A built cache that notes the blocks each batch looks up, in the order the batches come."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.drawn: list[int] = []
+
+    def rows(self, index, device):
+        self.drawn += index.tolist()
+        return super().rows(index, device)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_cached_blocks_come_in_a_new_order_each_epoch_and_only_those_cached(tmp_path, shuffle):
+    teacher, blocks = peaked_teacher(), random_blocks(12)
+    # the cache holds the first 8 of 12 blocks (a budget below the text); 4 steps of 4 = two passes over them
+    cache = RecordingCache(build_cache(teacher, blocks.blocks[:8], tmp_path / "cache", k=8, temperature=1.0).path)
+    spec = finetune_spec(max_steps=4, shuffle=shuffle, distill={"cache_top_k": 8})
+    train(tmp_path, tiny_model("llama", seed=1).train(), blocks, spec, teacher_cache=cache)
+    first, second = cache.drawn[:8], cache.drawn[8:]
+    assert len(cache.drawn) == 16 and sorted(first) == sorted(second) == list(range(8))
+    if shuffle:
+        assert first != list(range(8)) and second != first
+    else:
+        assert first == second == list(range(8))
+
+
+def test_a_shuffled_cache_trains_as_the_live_teacher_does(tmp_path):
+    # the same seed draws the same blocks for both; each batch's cached rows must be its own blocks' rows
+    teacher, blocks = peaked_teacher(), random_blocks(8)
+    cache = build_cache(teacher, blocks.blocks, tmp_path / "cache", k=VOCAB, temperature=2.0, dtype="float32")
+    live_student = tiny_model("llama", seed=1).train()
+    cached_student = copy.deepcopy(live_student)
+    settings = {"temperature": 2.0, "alpha": 0.5}
+    train(tmp_path / "live", live_student, blocks, finetune_spec(max_steps=4, distill=settings), teacher=teacher)
+    spec = finetune_spec(max_steps=4, distill={**settings, "cache_top_k": VOCAB})
+    train(tmp_path / "cached", cached_student, blocks, spec, teacher_cache=cache)
+    for live, cached in zip(live_student.parameters(), cached_student.parameters(), strict=True):
+        torch.testing.assert_close(cached, live, atol=2e-5, rtol=1e-4)
+    start = tiny_model("llama", seed=1)
+    assert not all(torch.equal(a, b) for a, b in zip(live_student.parameters(), start.parameters(), strict=True))
+
+
 def _args(tmp_path):
     from transformers import TrainingArguments
 

@@ -28,8 +28,8 @@ was the teacher away from it (a self-distilled SmolLM2 lost perplexity: docs/ben
 KEY is a hash of everything a row depends on: the teacher (its config and a strided sample of every
 weight), the blocks' token ids, ``seq_len``, ``k``, ``T``, the stored dtype and the teacher's compute dtype;
 a change of any of them builds a new cache. Rows are looked up by the ``index`` each batch carries
-(:class:`sinv_prune.pipeline.data_stream.Blocks`), and the fine-tune reads blocks in order, so the
-cached rows cover exactly the blocks the arms will see.
+(:class:`sinv_prune.pipeline.data_stream.Blocks`); the cache holds the first blocks the budget needs, and
+the fine-tune draws only those (shuffled unless ``shuffle: false``).
 """
 
 from __future__ import annotations
@@ -231,8 +231,8 @@ def report_coverage(cache: TeacherCache, k: int, temperature: float) -> TeacherC
 def run_cache(run, blocks, load_teacher) -> TeacherCache:
     """The run's cache over the blocks the arms will read (built by the main process, opened by every one).
 
-    Blocks are read in order, so the arms see the first ``steps * tokens_per_step / seq_len`` of them
-    (every block once when the epochs decide or the budget exceeds them). ``load_teacher()`` is called only
+    The arms draw the first ``steps * tokens_per_step / seq_len`` blocks (every block when the epochs decide
+    or the budget exceeds them), in the order ``finetune.shuffle`` says. ``load_teacher()`` is called only
     when the cache must be built; the teacher is released before any arm trains.
     """
     from sinv_prune.pipeline.step_budget import planned_steps

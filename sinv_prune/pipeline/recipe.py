@@ -306,7 +306,7 @@ class DistillSpec(Strict):
     ``k`` most likely tokens per position (log-probabilities at ``T``, stored as ``cache_dtype``, ids as
     int32) are kept on disk under the run directory; the arms' steps then run the student alone and the
     KL is taken over the teacher's top-k support and the rest of the vocabulary as one outcome
-    (:mod:`sinv_prune.pipeline.distill_cache`). The training blocks are then read in order (no shuffling).
+    (:mod:`sinv_prune.pipeline.distill_cache`); each batch looks its blocks' rows up by index.
 
     ``hidden_weight: w`` (Minitron's intermediate-state loss; live teacher, no ``cache_top_k``) adds ``w`` times
     the relative squared error between each student block's output and that of the teacher block it descends
@@ -367,6 +367,8 @@ class TrainSpec(Strict):
     (the Trainer's ``bf16``: matrix products under bfloat16 autocast, weights and optimizer state stay
     float32), several times faster on GPUs and on CPUs with AMX or AVX512-BF16, at bfloat16's precision.
     ``gradient_accumulation_steps`` micro-batches of ``batch_size`` make one optimizer step.
+    ``shuffle`` (default): the blocks in a new random order every epoch (the Trainer's sampler, seeded by
+    ``seed``), also with a distillation cache; ``false``: in the order of the text, every epoch alike.
     """
 
     #: Whether ``distill`` may be set: only the fine-tune has a teacher (the model ``train`` produces).
@@ -394,6 +396,7 @@ class TrainSpec(Strict):
     tracking: TrackingSpec | None = None
     gradient_checkpointing: bool = False
     bf16: bool = False
+    shuffle: bool = True
     distill: DistillSpec | None = None
     lora: LoraSpec | None = None
 

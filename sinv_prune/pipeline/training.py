@@ -112,13 +112,16 @@ def run_trainer(
 
     With ``spec.distill`` the loss is the distillation loss of :mod:`sinv_prune.pipeline.distill` against
     ``teacher`` (frozen, moved to the trainer's device, never saved) or ``teacher_cache`` (one of the two;
-    the blocks are then read in order and each batch keeps its ``index`` column for the look-up).
+    each batch keeps its ``index`` column for the look-up, and only the blocks the cache holds, the first
+    ``len(teacher_cache)``, are drawn).
     """
     distill = getattr(spec, "distill", None)
     if distill is not None and teacher is None and teacher_cache is None:
         raise ValueError("spec.distill is set but no teacher model was given")
     if distill is None and (teacher is not None or teacher_cache is not None):
         raise ValueError("a teacher model was given but spec.distill is not set")
+    if teacher_cache is not None and len(train_blocks) > len(teacher_cache):
+        train_blocks = torch.utils.data.Subset(train_blocks, range(len(teacher_cache)))
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=mlm, mlm_probability=0.15, seed=seed)
     if spec.symmetry_breaking is not None:
         _add_symmetry_breaking(model, spec.symmetry_breaking)
@@ -138,9 +141,9 @@ def run_trainer(
         per_device_train_batch_size=spec.batch_size,
         per_device_eval_batch_size=spec.batch_size,
         gradient_accumulation_steps=spec.gradient_accumulation_steps,
-        # cached teacher rows are looked up by the batch's block index: keep it, read the blocks in order
+        # cached teacher rows are looked up by the batch's block index: keep it
         remove_unused_columns=teacher_cache is None,
-        train_sampling_strategy="sequential" if teacher_cache is not None else "random",
+        train_sampling_strategy="random" if spec.shuffle else "sequential",
         learning_rate=spec.learning_rate,
         weight_decay=spec.weight_decay,
         max_grad_norm=max_grad_norm,
