@@ -88,6 +88,7 @@ def parse(argv):
     ap.add_argument("--teacher", type=Path,
                     help="distil from this checkpoint instead of the unpruned model (e.g. a fine-tuned control: "
                          "Minitron's teacher correction); the control still starts unpruned")  # fmt: skip
+    ap.add_argument("--adam-eps", type=float, help="AdamW's eps (finetune.optimizer_args.eps; default torch's 1e-8)")
     ap.add_argument("--lora-lr", type=float, default=5e-4)
     ap.add_argument("--bf16", action="store_true", help="finetune.bf16 (mixed precision)")
     ap.add_argument(
@@ -161,7 +162,7 @@ def freeze_uncut(model) -> int:
 def fine_tune(model, teacher, cache, tokenizer, blocks, settings, args) -> dict:
     """Train ``model`` in place per ``settings``; its training time, tokens per second and added peak memory."""
     spec = FinetuneSpec(tokens=args.tokens, batch_size=args.batch, save_every=10**9, bf16=args.bf16,
-                        shuffle=not args.in_order,
+                        shuffle=not args.in_order, optimizer_args={"eps": args.adam_eps} if args.adam_eps else {},
                         **settings["spec"])  # fmt: skip
     trainable = None
     if settings["freeze"]:

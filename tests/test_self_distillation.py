@@ -23,7 +23,7 @@ from sinv_prune.pipeline.data_stream import Blocks
 from sinv_prune.pipeline.distill import distillation_kl
 from sinv_prune.pipeline.distill_cache import build_cache, topk_kl
 from sinv_prune.pipeline.recipe import validate_recipe
-from sinv_prune.pipeline.training import run_trainer
+from sinv_prune.pipeline.training import optimizer_cls_and_kwargs, run_trainer
 
 TOLERANCE = 0.005  # nats of held-out loss: perplexity within 0.5%
 #: The recovery recipe's settings before issue 35 (alpha 0.5 and T 2 were the defaults then).
@@ -86,8 +86,15 @@ def test_a_self_distilled_model_keeps_its_held_out_loss_with_the_defaults(tmp_pa
 def test_the_finetune_defaults_warm_up_decay_and_clip():
     spec = validate_recipe({**BASE, "finetune": {"max_steps": 10}}).finetune
     assert (spec.learning_rate, spec.lr_scheduler, spec.warmup_ratio) == (5e-5, "cosine", 0.1)
+    assert optimizer_cls_and_kwargs(spec)[1] == {"eps": 1e-6, "lr": 5e-5}
     train = validate_recipe({**BASE, "train": {"max_steps": 10}}).train
     assert (train.learning_rate, train.lr_scheduler, train.warmup_ratio) == (1e-3, "cosine", 0.0)
+    assert optimizer_cls_and_kwargs(train)[1] == {"lr": 1e-3}  # train keeps torch's eps
+    # a recipe's own optimizer_args keep the default eps unless they set it
+    given = validate_recipe({**BASE, "finetune": {"max_steps": 10, "optimizer_args": {"betas": [0.9, 0.95]}}})
+    assert given.finetune.optimizer_args == {"eps": 1e-6, "betas": [0.9, 0.95]}
+    given = validate_recipe({**BASE, "finetune": {"max_steps": 10, "optimizer_args": {"eps": 1e-8}}})
+    assert given.finetune.optimizer_args == {"eps": 1e-8}
     # a recipe that states its own values keeps them; a constant schedule has no warmup
     own = validate_recipe({**BASE, "finetune": {"max_steps": 10, **OLD_SETTINGS}}).finetune
     assert (own.learning_rate, own.lr_scheduler, own.warmup_ratio, own.distill.alpha) == (1e-4, "constant", 0.0, 0.5)

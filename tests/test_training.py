@@ -90,10 +90,11 @@ def train_recipe(**train):
 def test_recipe_resolves_each_optimizers_defaults(optimizer, lr, schedule, args):
     recipe = train_recipe(optimizer=optimizer, max_steps=2)
     assert (recipe.train.learning_rate, recipe.train.lr_scheduler, recipe.train.optimizer_args) == (lr, schedule, args)
-    # finetune: the same, but a pretrained model's fine-tune warms up (and AdamW's rate is the fine-tune's own)
+    # finetune: the same, but a pretrained model's fine-tune warms up (and AdamW's rate and eps are its own)
     own = FINETUNE_RECIPE_DEFAULTS[optimizer]
     spec = recipe.finetune
-    assert (spec.learning_rate, spec.lr_scheduler, spec.optimizer_args) == (own["learning_rate"], schedule, args)
+    fine_args = {"eps": 1e-6} if optimizer == "adamw" else args
+    assert (spec.learning_rate, spec.lr_scheduler, spec.optimizer_args) == (own["learning_rate"], schedule, fine_args)
     assert spec.warmup_ratio == own.get("warmup_ratio", 0.0) and recipe.train.warmup_ratio == 0.0
     resolved = yaml.safe_load(recipe_to_yaml(recipe))["train"]
     assert (resolved["learning_rate"], resolved["lr_scheduler"]) == (lr, schedule)
