@@ -266,7 +266,9 @@ def run(argv=None) -> int:
     )
     print(
         f"fine-tune: {args.tokens:,} tokens of valid.txt a model ({len(blocks)} blocks of {args.seq_len}, "
-        f"{args.batch} a step){', bf16' if args.bf16 else ''}; perplexity on {test_ids.numel():,} test.txt tokens"
+        f"{args.batch} a step{', in order' if args.in_order else ', shuffled'}){', bf16' if args.bf16 else ''}; "
+        f"perplexity on {test_ids.numel():,} test.txt tokens"
+        + ("; gen rows: as many blocks the teacher writes" if any(r.startswith("gen") for r in args.rows) else "")
     )
     before = {"control": ppl(base, test_ids, args), "pruned": ppl(pruned, test_ids, args),
               "paris": {"control": knows_paris(base, tokenizer), "pruned": knows_paris(pruned, tokenizer)}}  # fmt: skip

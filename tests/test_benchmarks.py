@@ -597,6 +597,18 @@ def test_bench_finetune_quick(tmp_path, capsys):
     assert result["complete"] is True
 
 
+def test_bench_finetune_order_eps_and_cache_dtype_reach_the_training(tmp_path, capsys):
+    """--in-order, --adam-eps and --cache-dtype each change what the kd row trains (its pruned perplexity)."""
+    ppl = {}
+    for name, extra in {"default": [], "in-order": ["--in-order"], "eps": ["--adam-eps", "1e-3"],
+                        "float32": ["--cache-dtype", "float32"]}.items():  # fmt: skip
+        argv = ["--quick", "--threads", "1", "--rows", "kd", "--models", "pruned", *extra]
+        result, out = _run("bench_finetune", [*argv, "--json", str(tmp_path / f"{name}.json")], capsys)
+        ppl[name] = result["rows"][0]["pruned"]["ppl"]
+        assert ("in order" in out) == (name == "in-order")
+    assert len(set(ppl.values())) == 4, ppl
+
+
 def test_bench_finetune_stopped_keeps_rows(tmp_path, monkeypatch, capsys):
     """An unknown row stops the run before any training (a usage error, exit code 2); a run stopped during its
     second row leaves the first in its JSON."""
