@@ -212,6 +212,31 @@ def test_cached_blocks_come_in_a_new_order_each_epoch_and_only_those_cached(tmp_
         assert first == second == list(range(8))
 
 
+def test_a_resumed_shuffled_finetune_draws_the_blocks_the_whole_one_draws(tmp_path, caplog):
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:  # before step 4's checkpoint: checkpoint-3 is the last
+                raise KeyboardInterrupt
+
+    teacher, blocks = peaked_teacher(), random_blocks(8)
+    built = build_cache(teacher, blocks.blocks, tmp_path / "cache", k=8, temperature=1.0).path
+    spec = finetune_spec(max_steps=6, save_every=1, distill={"cache_top_k": 8})
+    whole, parts = RecordingCache(built), RecordingCache(built)
+    train(tmp_path / "whole", tiny_model("llama", seed=1).train(), blocks, spec, teacher_cache=whole)
+    model = tiny_model("llama", seed=1).train()
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "parts", model, blocks, spec, teacher_cache=parts, callbacks=[StopAfter()])
+    resumed = RecordingCache(built)
+    caplog.set_level("INFO", logger="sinv_prune")
+    train(tmp_path / "parts", model, blocks, spec, teacher_cache=resumed, resume=True)
+    # checkpoint-3 holds three steps, 12 blocks: half-way through the second pass over the 8 blocks; the
+    # resumed run draws the rest of that pass and the third as the whole run did
+    assert "resuming training from" in caplog.text and "checkpoint-3" in caplog.text
+    assert len(whole.drawn) == 24 and parts.drawn == whole.drawn[:16] and resumed.drawn == whole.drawn[12:]
+
+
 def test_a_shuffled_cache_trains_as_the_live_teacher_does(tmp_path):
     # the same seed draws the same blocks for both; each batch's cached rows must be its own blocks' rows
     teacher, blocks = peaked_teacher(), random_blocks(8)
