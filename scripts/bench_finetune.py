@@ -88,7 +88,7 @@ def parse(argv):
     ap.add_argument("--teacher", type=Path,
                     help="distil from this checkpoint instead of the unpruned model (e.g. a fine-tuned control: "
                          "Minitron's teacher correction); the control still starts unpruned")  # fmt: skip
-    ap.add_argument("--adam-eps", type=float, help="AdamW's eps (finetune.optimizer_args.eps; default torch's 1e-8)")
+    ap.add_argument("--adam-eps", type=float, help="AdamW's eps (finetune.optimizer_args.eps; default finetune's)")
     ap.add_argument("--lora-lr", type=float, default=5e-4)
     ap.add_argument("--bf16", action="store_true", help="finetune.bf16 (mixed precision)")
     ap.add_argument(

@@ -283,7 +283,7 @@ OPTIMIZER_RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
 #: the first ``warmup_ratio`` of its steps and decays, at a rate that leaves an unpruned model distilled from
 #: itself where it was (AdamW's: the sweep in docs/benchmarks.md section 15). AdamW's ``eps`` is 1e-6, not
 #: torch's 1e-8: near a teacher's weights the gradients are rounding-sized, and 1e-8 turns them into steps of
-#: the full rate (a self-distilled SmolLM2 moved 2.6x further; section 15). ECD keeps its constant lr.
+#: up to the full rate (a self-distilled SmolLM2 moved 2.6x further; section 15). ECD keeps its constant lr.
 FINETUNE_RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "adamw": {"learning_rate": 5e-5, "lr_scheduler": "cosine", "warmup_ratio": 0.1, "optimizer_args": {"eps": 1e-6}},
     "sgd": {**OPTIMIZER_RECIPE_DEFAULTS["sgd"], "warmup_ratio": 0.1},
