@@ -228,8 +228,9 @@ def _dry_run(recipe, output: Path, device: str | None = None, threads: int | str
         spec = getattr(recipe, name)
         if spec is not None:  # with the optimizer's defaults filled in
             warmup = f", warmup_ratio {spec.warmup_ratio:g}" if spec.warmup_ratio else ""
+            order = "" if spec.shuffle else ", blocks in order (shuffle: false)"
             click.echo(f"  {name}: {spec.optimizer}, learning_rate {spec.learning_rate:g}, lr_scheduler "
-                       f"{spec.lr_scheduler}{warmup}, optimizer_args {spec.optimizer_args}")  # fmt: skip
+                       f"{spec.lr_scheduler}{warmup}, optimizer_args {spec.optimizer_args}{order}")  # fmt: skip
     for arm in recipe.prune.arms:
         what = "; ".join(f"{p.criterion} {p.unit}, amount {p.amount}, {p.mode}" for p in arm.part_specs)
         if arm.control:

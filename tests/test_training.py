@@ -125,6 +125,15 @@ def test_dry_run_prints_the_resolved_optimizer_settings(tmp_path):
     assert (
         "train: ecd, learning_rate 1, lr_scheduler constant, optimizer_args {'eta': 100.0, 'F0': 2.0" in result.output
     )
+    assert "in order" not in result.output  # shuffled: the default says nothing
+    # the fine-tune's own AdamW defaults, and blocks read in order when the recipe asks
+    path.write_text(
+        yaml.safe_dump({**RECIPE, "train": {"max_steps": 2}, "finetune": {"max_steps": 2, "shuffle": False}})
+    )
+    result = CliRunner().invoke(main, ["run", str(path), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert ("finetune: adamw, learning_rate 5e-05, lr_scheduler cosine, warmup_ratio 0.1, optimizer_args "
+            "{'eps': 1e-06}, blocks in order (shuffle: false)") in result.output  # fmt: skip
 
 
 def test_unknown_or_misplaced_optimizer_args_are_one_line_errors():
